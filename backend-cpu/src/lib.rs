@@ -1,1 +1,212 @@
-//! placeholder
+//! backend-cpu: spark's CPU backend.
+//!
+//! Implements [`spark_core::Backend`] with multi-threaded kernels (a rayon pool of `--threads`
+//! workers) and SIMD chosen at run time (AVX2+FMA+F16C, or the portable path). Weights in f32,
+//! bf16 or f16 are used straight from the memory-mapped checkpoint when their stored type is the
+//! compute type; accumulation is always f32.
+//!
+//! - [`kernels`]: dot products, GEMM/GEMV, SIMD dispatch.
+//! - [`attention`]: attention over the KV cache (ring for sliding layers, growing for full).
+//! - [`ops`]: RMSNorm, RoPE, head gate, GEGLU, residual add.
+//! - [`weights`]: how uploaded weights are held.
+
+pub mod attention;
+pub mod kernels;
+pub mod ops;
+pub mod weights;
+
+use rayon::prelude::*;
+use spark_core::backend::{AttnChunk, AttnShape, Backend, WeightRole};
+use spark_core::config::GateAct;
+use spark_core::kv::KvSpec;
+use spark_core::rope::RopeTable;
+use spark_core::weights::Tensor as HostTensor;
+use spark_core::{DType, Error, Result};
+
+pub use attention::CpuKv;
+pub use kernels::Simd;
+pub use weights::CpuWeight;
+
+/// A row-major `[rows, cols]` f32 activation buffer.
+#[derive(Debug, Clone)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+/// The CPU backend: a thread pool and the SIMD level.
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    simd: Simd,
+}
+
+impl CpuBackend {
+    /// A backend running on `threads` worker threads (`None`: one per available core).
+    pub fn new(threads: Option<usize>) -> Result<Self> {
+        let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        if n == 0 {
+            return Err(Error::invalid("--threads must be at least 1"));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("spark-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::new(spark_core::ErrorKind::Backend, format!("cannot start {n} CPU threads: {e}")))?;
+        Ok(CpuBackend { pool, simd: Simd::detect() })
+    }
+
+    /// As [`CpuBackend::new`], with a given SIMD level (tests compare the portable and AVX2
+    /// paths; asking for AVX2 on a processor without it gives the portable path).
+    pub fn with_simd(threads: Option<usize>, simd: Simd) -> Result<Self> {
+        let mut b = Self::new(threads)?;
+        b.simd = if simd == Simd::Avx2 && Simd::detect() != Simd::Avx2 { Simd::Portable } else { simd };
+        Ok(b)
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+    pub fn simd(&self) -> Simd {
+        self.simd
+    }
+}
+
+fn check(cond: bool, what: &str) -> Result<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(Error::internal(format!("cpu backend: shape mismatch in {what}")))
+    }
+}
+
+impl Backend for CpuBackend {
+    type Weight = CpuWeight;
+    type Tensor = CpuTensor;
+    type Rope = RopeTable;
+    type Kv = CpuKv;
+
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn upload_weight(&self, t: &HostTensor, _role: WeightRole, dtype: DType) -> Result<CpuWeight> {
+        CpuWeight::from_host(t, dtype)
+    }
+
+    fn upload_rope(&self, table: &RopeTable) -> Result<RopeTable> {
+        Ok(table.clone())
+    }
+
+    fn alloc(&self, rows: usize, cols: usize) -> Result<CpuTensor> {
+        Ok(CpuTensor { rows, cols, data: vec![0.0; rows * cols] })
+    }
+
+    fn kv_alloc(&self, spec: &KvSpec) -> Result<CpuKv> {
+        Ok(CpuKv::new(*spec))
+    }
+
+    fn kv_truncate(&self, kv: &mut CpuKv, new_len: usize) -> Result<()> {
+        kv.truncate(new_len);
+        Ok(())
+    }
+
+    fn kv_clone(&self, kv: &CpuKv) -> Result<CpuKv> {
+        Ok(kv.clone())
+    }
+
+    fn kv_bytes(&self, kv: &CpuKv) -> usize {
+        kv.bytes()
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
+        check(out.rows == ids.len() && out.cols == table.cols, "embed")?;
+        for (o, &id) in out.data.chunks_mut(out.cols).zip(ids) {
+            let row = table.row(id as usize);
+            for (j, v) in o.iter_mut().enumerate() {
+                *v = row.get(j);
+            }
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuWeight, eps: f32, out: &mut CpuTensor, round: DType) -> Result<()> {
+        check(x.rows == out.rows && x.cols == out.cols && w.cols == x.cols, "rms_norm")?;
+        let wv = w.f32_vec();
+        self.pool.install(|| {
+            out.data.par_chunks_mut(x.cols).zip(x.data.par_chunks(x.cols)).for_each(|(o, xr)| ops::rms_norm(xr, &wv, eps, o, round))
+        });
+        Ok(())
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
+        check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
+        self.pool.install(|| kernels::matmul::matmul(self.simd, &x.data, x.rows, x.cols, w.mat(), w.rows, &mut out.data, round));
+        Ok(())
+    }
+
+    fn rope(&self, qkv: &mut CpuTensor, positions: &[u32], table: &RopeTable, n_heads: usize, n_kv_heads: usize, head_dim: usize, round: DType) -> Result<()> {
+        check(qkv.rows == positions.len() && qkv.cols >= (n_heads + n_kv_heads) * head_dim, "rope")?;
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= table.positions) {
+            return Err(Error::invalid(format!("position {p} is beyond the RoPE table ({} positions)", table.positions)));
+        }
+        let cols = qkv.cols;
+        self.pool.install(|| {
+            qkv.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(|(row, &p)| {
+                for h in 0..n_heads + n_kv_heads {
+                    ops::rope_head(&mut row[h * head_dim..(h + 1) * head_dim], p as usize, table, round);
+                }
+            })
+        });
+        Ok(())
+    }
+
+    fn attention(&self, qkv: &CpuTensor, chunk: AttnChunk, shape: AttnShape, kv: &mut CpuKv, out: &mut CpuTensor, round: DType) -> Result<()> {
+        check(out.cols == shape.n_heads * shape.head_dim && chunk.row + chunk.len <= qkv.rows, "attention")?;
+        if kv.len() != chunk.start_pos {
+            return Err(Error::internal(format!("attention: cache holds {} positions, chunk starts at {}", kv.len(), chunk.start_pos)));
+        }
+        self.pool.install(|| attention::attend(self.simd, qkv, chunk, shape, kv, out, round));
+        kv.append(qkv, chunk, shape)
+    }
+
+    fn head_gate(&self, attn: &mut CpuTensor, g: &CpuTensor, act: GateAct, head_dim: usize, round: DType) -> Result<()> {
+        check(attn.rows == g.rows && attn.cols == g.cols * head_dim, "head_gate")?;
+        let gc = g.cols;
+        self.pool.install(|| {
+            attn.data.par_chunks_mut(attn.cols).zip(g.data.par_chunks(gc)).for_each(|(a, gr)| ops::head_gate(a, gr, act, head_dim, round))
+        });
+        Ok(())
+    }
+
+    fn geglu(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor, round: DType) -> Result<()> {
+        check(gate.data.len() == up.data.len() && out.data.len() == up.data.len(), "geglu")?;
+        self.pool.install(|| {
+            out.data
+                .par_chunks_mut(4096)
+                .zip(gate.data.par_chunks(4096).zip(up.data.par_chunks(4096)))
+                .for_each(|(o, (g, u))| ops::geglu(g, u, o, round))
+        });
+        Ok(())
+    }
+
+    fn add(&self, h: &mut CpuTensor, x: &CpuTensor) -> Result<()> {
+        check(h.data.len() == x.data.len(), "add")?;
+        h.data.iter_mut().zip(&x.data).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize], out: &mut CpuTensor) -> Result<()> {
+        check(out.rows == rows.len() && out.cols == x.cols && rows.iter().all(|&r| r < x.rows), "gather_rows")?;
+        for (o, &r) in out.data.chunks_mut(x.cols).zip(rows) {
+            o.copy_from_slice(&x.data[r * x.cols..(r + 1) * x.cols]);
+        }
+        Ok(())
+    }
+
+    fn read(&self, x: &CpuTensor, out: &mut [f32]) -> Result<()> {
+        check(out.len() == x.data.len(), "read")?;
+        out.copy_from_slice(&x.data);
+        Ok(())
+    }
+}

@@ -8,9 +8,24 @@
 //! - [`rope`]: per-layer-type rotary tables sized to the served context.
 //! - [`sample`]: logits processors and seeded samplers.
 //! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat-template rendering.
-//! - [`engine`]: a simple generation loop over an `Executor`.
+//! - [`engine`]: the generation loop over an `Executor`.
 //! - [`error`]: the error type shared by all of the above.
 
+pub mod backend;
 pub mod chat;
+pub mod config;
+pub mod dtype;
+pub mod engine;
+pub mod error;
+pub mod graph;
+pub mod kv;
+pub mod rope;
 pub mod sample;
 pub mod tokenizer;
+pub mod weights;
+
+pub use backend::{Backend, Executor, LogitsMode, SeqStep};
+pub use config::ModelConfig;
+pub use dtype::DType;
+pub use error::{Error, ErrorKind, Result};
+pub use graph::{Model, ModelOptions};

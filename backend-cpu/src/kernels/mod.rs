@@ -1,0 +1,111 @@
+//! CPU kernels: SIMD selection at run time, and the dot products every op is built from.
+//!
+//! [`Simd::detect`] picks AVX2+FMA(+F16C) when the processor has it, else the portable path.
+//! `SPARK_CPU_SIMD=portable` forces the portable path (tests compare the two).
+
+pub mod avx2;
+pub mod matmul;
+pub mod portable;
+
+use std::sync::OnceLock;
+
+/// The instruction set a kernel uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    Portable,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Simd {
+    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable`.
+    pub fn detect() -> Simd {
+        static S: OnceLock<Simd> = OnceLock::new();
+        *S.get_or_init(|| {
+            if std::env::var("SPARK_CPU_SIMD").is_ok_and(|v| v == "portable") {
+                return Simd::Portable;
+            }
+            #[cfg(target_arch = "x86_64")]
+            {
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                    return Simd::Avx2;
+                }
+            }
+            Simd::Portable
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            Simd::Avx2 => "avx2+fma",
+        }
+    }
+}
+
+/// A row of weights in its stored type.
+#[derive(Clone, Copy)]
+pub enum Row<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl Row<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Row::F32(r) => r.len(),
+            Row::BF16(r) | Row::F16(r) => r.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// `len` elements from `start`.
+    pub fn slice(self, start: usize, len: usize) -> Self {
+        match self {
+            Row::F32(r) => Row::F32(&r[start..start + len]),
+            Row::BF16(r) => Row::BF16(&r[start..start + len]),
+            Row::F16(r) => Row::F16(&r[start..start + len]),
+        }
+    }
+    /// Element `i` as f32.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            Row::F32(r) => r[i],
+            Row::BF16(r) => half::bf16::from_bits(r[i]).to_f32(),
+            Row::F16(r) => half::f16::from_bits(r[i]).to_f32(),
+        }
+    }
+}
+
+/// `sum_i x[i] * w[i]`.
+#[inline]
+pub fn dot(simd: Simd, x: &[f32], w: Row<'_>) -> f32 {
+    debug_assert_eq!(x.len(), w.len());
+    match simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Simd::Avx2` is only produced by `detect` after checking avx2, fma and f16c.
+        Simd::Avx2 => unsafe { avx2::dot(x, w) },
+        _ => portable::dot(x, w),
+    }
+}
+
+/// `out[i] += a * w[i]`.
+#[inline]
+pub fn axpy(simd: Simd, a: f32, w: Row<'_>, out: &mut [f32]) {
+    debug_assert_eq!(out.len(), w.len());
+    match simd {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `dot`.
+        Simd::Avx2 => unsafe { avx2::axpy(a, w, out) },
+        _ => portable::axpy(a, w, out),
+    }
+}
+
+/// Exact-erf GELU, as `torch.nn.functional.gelu(x)` (approximate='none').
+#[inline]
+pub fn gelu_erf(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+}

@@ -1,0 +1,100 @@
+//! Weights as the CPU kernels read them: straight from the memory-mapped checkpoint when the
+//! stored type is the compute type and the data is aligned, otherwise converted once at load.
+
+use std::borrow::Cow;
+
+use spark_core::weights::{Tensor as HostTensor, TensorBytes};
+use spark_core::{DType, Error, Result};
+
+use crate::kernels::matmul::Mat;
+use crate::kernels::Row;
+
+enum Store {
+    /// Checkpoint bytes used in place (checked aligned for the element type).
+    Mapped(TensorBytes),
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+/// An uploaded weight: a vector (`rows == 1`) or an `[rows, cols]` matrix.
+pub struct CpuWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    store: Store,
+}
+
+impl CpuWeight {
+    /// Take `t` in `dtype`: in place when possible, converted otherwise.
+    pub fn from_host(t: &HostTensor, dtype: DType) -> Result<CpuWeight> {
+        let (rows, cols) = match t.shape.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            s => return Err(Error::model(format!("tensor '{}' has shape {s:?}; expected 1 or 2 dims", t.name))),
+        };
+        let bytes = t.bytes();
+        let aligned = (bytes.as_ptr() as usize) % t.dtype.size() == 0;
+        let store = if t.dtype == dtype && aligned {
+            Store::Mapped(t.data.clone())
+        } else {
+            let mut v = Vec::with_capacity(rows * cols);
+            spark_core::dtype::decode_into(t.dtype, bytes, &mut v);
+            match dtype {
+                DType::F32 => Store::F32(v),
+                DType::BF16 => Store::U16(v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()),
+                DType::F16 => Store::U16(v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect()),
+            }
+        };
+        Ok(CpuWeight { rows, cols, dtype, store })
+    }
+
+    fn f32s(&self) -> &[f32] {
+        match &self.store {
+            Store::Mapped(b) => bytemuck::cast_slice(b.as_slice()),
+            Store::F32(v) => v,
+            Store::U16(_) => &[],
+        }
+    }
+
+    fn u16s(&self) -> &[u16] {
+        match &self.store {
+            Store::Mapped(b) => bytemuck::cast_slice(b.as_slice()),
+            Store::U16(v) => v,
+            Store::F32(_) => &[],
+        }
+    }
+
+    /// The whole weight as a matrix view.
+    pub fn mat(&self) -> Mat<'_> {
+        match self.dtype {
+            DType::F32 => Mat::F32(self.f32s()),
+            DType::BF16 => Mat::BF16(self.u16s()),
+            DType::F16 => Mat::F16(self.u16s()),
+        }
+    }
+
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> Row<'_> {
+        self.mat().row(r, self.cols)
+    }
+
+    /// All elements as f32 (borrowed when stored as f32).
+    pub fn f32_vec(&self) -> Cow<'_, [f32]> {
+        match self.dtype {
+            DType::F32 => Cow::Borrowed(self.f32s()),
+            _ => {
+                let r = self.row(0);
+                Cow::Owned((0..self.rows * self.cols).map(|i| if self.rows == 1 { r.get(i) } else { self.row(i / self.cols).get(i % self.cols) }).collect())
+            }
+        }
+    }
+
+    /// Bytes held in anonymous memory (0 when used in place from the mapped file).
+    pub fn owned_bytes(&self) -> usize {
+        match &self.store {
+            Store::Mapped(_) => 0,
+            Store::F32(v) => v.len() * 4,
+            Store::U16(v) => v.len() * 2,
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! The generation loop over an Executor (filled in below).

@@ -1,0 +1,316 @@
+//! THE Spark-X2.5 decoder, written once over any [`Backend`] (SPARK.md sections 3-4).
+//!
+//! [`Model`] owns the uploaded weights, the two RoPE tables and every sequence's KV cache, and
+//! implements the step-level [`Executor`]: all tokens of a batch go through each projection as
+//! one matrix; attention runs per sequence against that sequence's cache.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::backend::{AttnChunk, AttnShape, Backend, Executor, ExecutorInfo, LogitsMode, SeqStep, WeightRole};
+use crate::config::{LayerType, ModelConfig};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::kv::KvSpec;
+use crate::rope::RopeTable;
+use crate::weights::{Checkpoint, ModelWeights};
+
+/// How to serve a model.
+#[derive(Debug, Clone, Default)]
+pub struct ModelOptions {
+    /// Largest context to serve (positions `0..ctx`); sizes RoPE tables and full-layer KV.
+    /// `None`: `min(max_position_embeddings, 4096)`.
+    pub ctx: Option<usize>,
+    /// Compute dtype; `None`: the checkpoint's stored dtype.
+    pub dtype: Option<DType>,
+}
+
+struct LayerW<B: Backend> {
+    kind: LayerType,
+    attn_norm: B::Weight,
+    qkv: B::Weight,
+    gate: B::Weight,
+    out: B::Weight,
+    mlp_norm: B::Weight,
+    mlp_gate: B::Weight,
+    mlp_up: B::Weight,
+    mlp_down: B::Weight,
+}
+
+struct Seq<B: Backend> {
+    len: usize,
+    kv: Vec<B::Kv>,
+}
+
+/// A loaded model on a backend, serving many sequences.
+pub struct Model<B: Backend> {
+    cfg: ModelConfig,
+    backend: B,
+    dtype: DType,
+    ctx: usize,
+    embedding: B::Weight,
+    head: Option<B::Weight>,
+    norm: B::Weight,
+    layers: Vec<LayerW<B>>,
+    ropes: [B::Rope; 2],
+    kv_specs: Vec<KvSpec>,
+    seqs: HashMap<u64, Seq<B>>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Load `config.json` and the safetensors of a checkpoint directory.
+    pub fn load(backend: B, dir: &Path, opts: &ModelOptions) -> Result<Self> {
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        let weights = ModelWeights::from_checkpoint(&ckpt, &cfg)
+            .map_err(|e| Error::new(e.kind, format!("{}: {}", dir.display(), e.message)))?;
+        Self::new(backend, cfg, &weights, opts)
+    }
+
+    /// Upload validated weights to `backend`.
+    pub fn new(backend: B, cfg: ModelConfig, w: &ModelWeights, opts: &ModelOptions) -> Result<Self> {
+        let dtype = opts.dtype.unwrap_or(w.embedding.dtype);
+        let ctx = opts.ctx.unwrap_or(cfg.max_positions.min(4096));
+        if ctx == 0 || ctx > cfg.max_positions {
+            return Err(Error::invalid(format!(
+                "context size {ctx} is outside 1..={} (max_position_embeddings)",
+                cfg.max_positions
+            )));
+        }
+        let b = &backend;
+        let up = |t, role| b.upload_weight(t, role, dtype);
+        let layers = w
+            .layers
+            .iter()
+            .zip(&cfg.layer_types)
+            .map(|(l, &kind)| {
+                Ok(LayerW {
+                    kind,
+                    attn_norm: b.upload_weight(&l.attn_norm, WeightRole::Norm, DType::F32)?,
+                    qkv: up(&l.qkv, WeightRole::Matrix)?,
+                    gate: up(&l.gate, WeightRole::Matrix)?,
+                    out: up(&l.out, WeightRole::Matrix)?,
+                    mlp_norm: b.upload_weight(&l.mlp_norm, WeightRole::Norm, DType::F32)?,
+                    mlp_gate: up(&l.mlp_gate, WeightRole::Matrix)?,
+                    mlp_up: up(&l.mlp_up, WeightRole::Matrix)?,
+                    mlp_down: up(&l.mlp_down, WeightRole::Matrix)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embedding = up(&w.embedding, WeightRole::Embedding)?;
+        let head = match &w.lm_head {
+            Some(t) => Some(up(t, WeightRole::Matrix)?),
+            None => None,
+        };
+        let norm = b.upload_weight(&w.norm, WeightRole::Norm, DType::F32)?;
+        let ropes = [
+            b.upload_rope(&RopeTable::new(cfg.rope_for(LayerType::Sliding), ctx))?,
+            b.upload_rope(&RopeTable::new(cfg.rope_for(LayerType::Full), ctx))?,
+        ];
+        let kv_specs = cfg.layer_types.iter().map(|&t| KvSpec::for_layer(&cfg, t, ctx, dtype)).collect();
+        Ok(Model { cfg, backend, dtype, ctx, embedding, head, norm, layers, ropes, kv_specs, seqs: HashMap::new() })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    pub fn kv_specs(&self) -> &[KvSpec] {
+        &self.kv_specs
+    }
+
+    fn check_batch(&self, batch: &[SeqStep<'_>], out_len: usize) -> Result<()> {
+        let mut rows = 0;
+        for (i, s) in batch.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(Error::invalid(format!("sequence {}: no tokens in this step", s.seq_id)));
+            }
+            if batch[..i].iter().any(|o| o.seq_id == s.seq_id) {
+                return Err(Error::invalid(format!("sequence {} appears twice in one step", s.seq_id)));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+                return Err(Error::invalid(format!(
+                    "sequence {}: token id {bad} is outside the vocabulary (size {})",
+                    s.seq_id, self.cfg.vocab
+                )));
+            }
+            let start = s.start_pos as usize;
+            let len = self.seqs.get(&s.seq_id).map_or(0, |q| q.len);
+            if start > len {
+                return Err(Error::invalid(format!(
+                    "sequence {}: start position {start} is past its cached length {len}",
+                    s.seq_id
+                )));
+            }
+            if start < len && !self.kv_specs.iter().all(|k| k.can_truncate(len, start)) {
+                return Err(Error::invalid(format!(
+                    "sequence {}: cannot rewind from {len} to {start}: the sliding window has dropped those positions (start again from 0)",
+                    s.seq_id
+                )));
+            }
+            if start + s.tokens.len() > self.ctx {
+                return Err(Error::invalid(format!(
+                    "sequence {}: positions up to {} exceed the context size {}",
+                    s.seq_id,
+                    start + s.tokens.len(),
+                    self.ctx
+                )));
+            }
+            rows += s.logits.rows(s.tokens.len());
+        }
+        if out_len != rows * self.cfg.vocab {
+            return Err(Error::invalid(format!(
+                "logits buffer holds {out_len} floats, the step needs {} ({rows} rows x vocab {})",
+                rows * self.cfg.vocab,
+                self.cfg.vocab
+            )));
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, batch: &[SeqStep<'_>], out: &mut [f32]) -> Result<()> {
+        let cfg = &self.cfg;
+        let b = &self.backend;
+        let act = self.dtype;
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let positions: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| (0..s.tokens.len() as u32).map(move |i| s.start_pos + i))
+            .collect();
+        let mut chunks = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for s in batch {
+            chunks.push(AttnChunk { row, len: s.tokens.len(), start_pos: s.start_pos as usize });
+            row += s.tokens.len();
+        }
+
+        let mut h = b.alloc(n, cfg.hidden)?;
+        b.embed(&self.embedding, &ids, &mut h)?;
+        let mut x = b.alloc(n, cfg.hidden)?;
+        let mut qkv = b.alloc(n, cfg.qkv_dim())?;
+        let mut g = b.alloc(n, cfg.n_heads)?;
+        let mut attn = b.alloc(n, cfg.q_dim())?;
+        let mut o = b.alloc(n, cfg.hidden)?;
+        let mut gate = b.alloc(n, cfg.intermediate)?;
+        let mut up = b.alloc(n, cfg.intermediate)?;
+        let mut gu = b.alloc(n, cfg.intermediate)?;
+        let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+
+        for (li, l) in self.layers.iter().enumerate() {
+            b.rms_norm(&h, &l.attn_norm, cfg.rms_eps, &mut x, act)?;
+            b.matmul(&x, &l.qkv, &mut qkv, act)?;
+            b.matmul(&x, &l.gate, &mut g, act)?;
+            b.rope(&mut qkv, &positions, &self.ropes[l.kind.index()], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, act)?;
+            let shape = AttnShape {
+                n_heads: cfg.n_heads,
+                n_kv_heads: cfg.n_kv_heads,
+                head_dim: cfg.head_dim,
+                window: (l.kind == LayerType::Sliding).then_some(cfg.sliding_window),
+                scale,
+            };
+            for (s, c) in batch.iter().zip(&chunks) {
+                let seq = self
+                    .seqs
+                    .get_mut(&s.seq_id)
+                    .ok_or_else(|| Error::internal(format!("sequence {} vanished", s.seq_id)))?;
+                b.attention(&qkv, *c, shape, &mut seq.kv[li], &mut attn, act)?;
+            }
+            b.head_gate(&mut attn, &g, cfg.gate_act, cfg.head_dim, act)?;
+            b.matmul(&attn, &l.out, &mut o, act)?;
+            b.add(&mut h, &o)?;
+
+            b.rms_norm(&h, &l.mlp_norm, cfg.rms_eps, &mut x, act)?;
+            b.matmul(&x, &l.mlp_gate, &mut gate, act)?;
+            b.matmul(&x, &l.mlp_up, &mut up, act)?;
+            b.geglu(&gate, &up, &mut gu, act)?;
+            b.matmul(&gu, &l.mlp_down, &mut o, act)?;
+            b.add(&mut h, &o)?;
+        }
+
+        let mut want = Vec::new();
+        for (s, c) in batch.iter().zip(&chunks) {
+            match s.logits {
+                LogitsMode::None => {}
+                LogitsMode::Last => want.push(c.row + c.len - 1),
+                LogitsMode::All => want.extend(c.row..c.row + c.len),
+            }
+        }
+        if want.is_empty() {
+            return Ok(());
+        }
+        let mut hs = b.alloc(want.len(), cfg.hidden)?;
+        b.gather_rows(&h, &want, &mut hs)?;
+        let mut hn = b.alloc(want.len(), cfg.hidden)?;
+        b.rms_norm(&hs, &self.norm, cfg.rms_eps, &mut hn, act)?;
+        let mut logits = b.alloc(want.len(), cfg.vocab)?;
+        b.matmul(&hn, self.head.as_ref().unwrap_or(&self.embedding), &mut logits, act)?;
+        b.read(&logits, out)
+    }
+}
+
+impl<B: Backend> Executor for Model<B> {
+    fn info(&self) -> ExecutorInfo {
+        ExecutorInfo { backend: self.backend.name().to_string(), vocab: self.cfg.vocab, ctx: self.ctx, dtype: self.dtype }
+    }
+
+    fn forward(&mut self, batch: &[SeqStep<'_>], out: &mut [f32]) -> Result<()> {
+        self.check_batch(batch, out.len())?;
+        for s in batch {
+            let start = s.start_pos as usize;
+            match self.seqs.get_mut(&s.seq_id) {
+                Some(seq) if start < seq.len => {
+                    for kv in &mut seq.kv {
+                        self.backend.kv_truncate(kv, start)?;
+                    }
+                    seq.len = start;
+                }
+                Some(_) => {}
+                None => {
+                    let kv = self.kv_specs.iter().map(|k| self.backend.kv_alloc(k)).collect::<Result<Vec<_>>>()?;
+                    self.seqs.insert(s.seq_id, Seq { len: 0, kv });
+                }
+            }
+        }
+        match self.run(batch, out) {
+            Ok(()) => {
+                for s in batch {
+                    if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
+                        seq.len = s.start_pos as usize + s.tokens.len();
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // A failed step may have appended part of its K/V: those caches are no longer
+                // consistent, so the sequences are dropped and the error says so.
+                for s in batch {
+                    self.seqs.remove(&s.seq_id);
+                }
+                Err(Error::new(e.kind, format!("{} (the sequences of this step were released)", e.message)))
+            }
+        }
+    }
+
+    fn release(&mut self, seq_id: u64) {
+        self.seqs.remove(&seq_id);
+    }
+
+    fn fork(&mut self, src: u64, dst: u64) -> Result<()> {
+        let s = self.seqs.get(&src).ok_or_else(|| Error::invalid(format!("fork: no sequence {src}")))?;
+        let kv = s.kv.iter().map(|k| self.backend.kv_clone(k)).collect::<Result<Vec<_>>>()?;
+        let len = s.len;
+        self.seqs.insert(dst, Seq { len, kv });
+        Ok(())
+    }
+
+    fn seq_len(&self, seq_id: u64) -> Option<usize> {
+        self.seqs.get(&seq_id).map(|s| s.len)
+    }
+
+    fn kv_bytes(&self) -> usize {
+        self.seqs.values().flat_map(|s| s.kv.iter()).map(|k| self.backend.kv_bytes(k)).sum()
+    }
+}
