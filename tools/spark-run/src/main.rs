@@ -1,1 +1,70 @@
-fn main(){}
+//! `spark-run`: spark's command-line tool.
+//!
+//! Subcommands: `generate`, `chat`, `logits`, `info`, `bench`, `gen-random`. Each takes
+//! `--model DIR|REPO_ID`; without it the small demo checkpoint shipped in the repository is used
+//! (a toy with Spark-X2.5's architecture, not Spark-X2.5).
+
+mod commands;
+mod hub;
+mod load;
+mod npy;
+
+use clap::{Args, Parser, Subcommand};
+
+/// spark: a Spark-X2.5 inference engine.
+#[derive(Parser)]
+#[command(name = "spark-run", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options shared by every command that loads a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Checkpoint directory, a .safetensors file, or a Hugging Face repo id
+    /// (e.g. XHToken/Spark-X2.5-1.7B). Default: the demo checkpoint in the repository.
+    #[arg(long, short = 'm')]
+    pub model: Option<String>,
+    /// Worker threads (default: all cores).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Largest context to serve; sizes the RoPE tables and the full layers' KV cache.
+    #[arg(long, default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
+    #[arg(long)]
+    pub dtype: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text (streamed to stdout) or token ids.
+    Generate(commands::generate::GenerateArgs),
+    /// Interactive multi-turn chat.
+    Chat(commands::chat::ChatArgs),
+    /// One forward over --ids; writes float32 [len(ids), vocab] logits as .npy.
+    Logits(commands::logits::LogitsArgs),
+    /// Config summary, parameter count and memory plan.
+    Info(commands::info::InfoArgs),
+    /// Prefill and decode speed (tokens/s).
+    Bench(commands::bench::BenchArgs),
+    /// Write a Spark-shaped checkpoint with random weights.
+    GenRandom(commands::gen_random::GenRandomArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => commands::generate::run(a),
+        Command::Chat(a) => commands::chat::run(a),
+        Command::Logits(a) => commands::logits::run(a),
+        Command::Info(a) => commands::info::run(a),
+        Command::Bench(a) => commands::bench::run(a),
+        Command::GenRandom(a) => commands::gen_random::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

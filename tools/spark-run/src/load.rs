@@ -1,0 +1,100 @@
+//! Loading what a command needs: resolve `--model` (demo checkpoint, local path or Hugging
+//! Face repo id), build the CPU backend and the model, and find the tokenizer and chat template.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use backend_cpu::CpuBackend;
+use spark_core::chat::ChatTemplate;
+use spark_core::tokenizer::Tokenizer;
+use spark_core::{DType, Executor, Model, ModelConfig, ModelOptions};
+
+use crate::ModelArgs;
+
+/// The demo checkpoint directory: `$SPARK_DEMO_MODEL`, else `models/spark-demo-tiny` in the
+/// source tree this binary was built from, else beside the executable.
+pub fn demo_dir() -> Result<PathBuf> {
+    if let Ok(p) = std::env::var("SPARK_DEMO_MODEL") {
+        return Ok(PathBuf::from(p));
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/spark-demo-tiny");
+    if built.join("config.json").exists() {
+        return Ok(built.canonicalize().unwrap_or(built));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        for up in exe.ancestors().skip(1).take(4) {
+            let p = up.join("models/spark-demo-tiny");
+            if p.join("config.json").exists() {
+                return Ok(p);
+            }
+        }
+    }
+    anyhow::bail!("no --model given and the demo checkpoint (models/spark-demo-tiny) was not found; pass --model DIR or set SPARK_DEMO_MODEL")
+}
+
+/// Resolve `--model` to a local path, announcing the demo checkpoint when it is used.
+pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
+    match &args.model {
+        Some(spec) => crate::hub::resolve_model(spec),
+        None => {
+            let d = demo_dir()?;
+            eprintln!(
+                "note: no --model given; using the demo checkpoint {} — a 7M-parameter toy with Spark-X2.5's architecture trained on English technical prose. It is NOT Spark-X2.5 and has none of its abilities.",
+                d.display()
+            );
+            Ok(d)
+        }
+    }
+}
+
+/// Parse `--dtype`.
+pub fn dtype(args: &ModelArgs) -> Result<Option<DType>> {
+    args.dtype.as_deref().map(DType::parse).transpose().map_err(|e| anyhow::anyhow!("--dtype: {e}"))
+}
+
+/// A model ready to run, with what surrounds it.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+    pub exec: Box<dyn Executor>,
+    pub threads: usize,
+    pub simd: &'static str,
+    pub load_time: std::time::Duration,
+}
+
+/// Load the model named by `args` on the CPU backend.
+pub fn load(args: &ModelArgs) -> Result<Loaded> {
+    let dir = model_dir(args)?;
+    let t0 = std::time::Instant::now();
+    let backend = CpuBackend::new(args.threads)?;
+    let threads = backend.threads();
+    let simd = backend.simd().name();
+    let opts = ModelOptions { ctx: Some(args.ctx_size), dtype: dtype(args)? };
+    let model_dir = if dir.is_file() { dir.parent().unwrap_or(Path::new(".")).to_path_buf() } else { dir.clone() };
+    let model = Model::load(backend, &model_dir, &opts).with_context(|| format!("loading {}", dir.display()))?;
+    let config = model.config().clone();
+    Ok(Loaded { dir: model_dir, config, exec: Box::new(model), threads, simd, load_time: t0.elapsed() })
+}
+
+/// The checkpoint's tokenizer, or an error saying how to do without one.
+pub fn tokenizer(dir: &Path) -> Result<Tokenizer> {
+    let p = dir.join("tokenizer.json");
+    if !p.exists() {
+        anyhow::bail!("{} has no tokenizer.json: give token ids with --ids and use --print-ids", dir.display());
+    }
+    Ok(Tokenizer::from_file(&p)?)
+}
+
+/// The checkpoint's chat template, or the built-in Spark-X2.5 one.
+pub fn chat_template(dir: &Path) -> Result<ChatTemplate> {
+    Ok(ChatTemplate::for_model_dir(dir)?)
+}
+
+/// Parse `--ids 0,17,5`.
+pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    s.split(',')
+        .map(|x| x.trim())
+        .filter(|x| !x.is_empty())
+        .map(|x| x.parse::<u32>().with_context(|| format!("--ids: '{x}' is not a token id")))
+        .collect()
+}
