@@ -101,7 +101,10 @@ impl CpuKv {
         let end = chunk.start_pos + chunk.len;
         if let KvKind::Grow { max } = self.spec.kind {
             if end > max {
-                return Err(Error::new(spark_core::ErrorKind::OutOfMemory, format!("KV cache full: {end} positions > {max}")));
+                return Err(Error::new(
+                    spark_core::ErrorKind::OutOfMemory,
+                    format!("KV cache full: {end} positions > {max}"),
+                ));
             }
         }
         let first = match self.spec.kind {
@@ -115,7 +118,9 @@ impl CpuKv {
             for (store, src) in [(&mut self.k, kr), (&mut self.v, vr)] {
                 match (store, self.spec.kind) {
                     (Store::F32(s), KvKind::Grow { .. }) => s.extend_from_slice(src),
-                    (Store::BF16(s), KvKind::Grow { .. }) => s.extend(src.iter().map(|&x| half::bf16::from_f32(x).to_bits())),
+                    (Store::BF16(s), KvKind::Grow { .. }) => {
+                        s.extend(src.iter().map(|&x| half::bf16::from_f32(x).to_bits()))
+                    }
                     (Store::F32(s), KvKind::Ring { .. }) => s[slot * kvd..(slot + 1) * kvd].copy_from_slice(src),
                     (Store::BF16(s), KvKind::Ring { .. }) => {
                         for (d, &x) in s[slot * kvd..(slot + 1) * kvd].iter_mut().zip(src) {
@@ -144,7 +149,15 @@ impl SharedOut {
 }
 
 /// Attention of a chunk's queries; writes rows `chunk.row..chunk.row+chunk.len` of `out`.
-pub fn attend(simd: Simd, qkv: &CpuTensor, chunk: AttnChunk, shape: AttnShape, kv: &CpuKv, out: &mut CpuTensor, round: DType) {
+pub fn attend(
+    simd: Simd,
+    qkv: &CpuTensor,
+    chunk: AttnChunk,
+    shape: AttnShape,
+    kv: &CpuKv,
+    out: &mut CpuTensor,
+    round: DType,
+) {
     let d = shape.head_dim;
     let qd = shape.n_heads * d;
     let kvd = shape.n_kv_heads * d;

@@ -48,11 +48,10 @@ impl CpuBackend {
         if n == 0 {
             return Err(Error::invalid("--threads must be at least 1"));
         }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("spark-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::new(spark_core::ErrorKind::Backend, format!("cannot start {n} CPU threads: {e}")))?;
+        let pool =
+            rayon::ThreadPoolBuilder::new().num_threads(n).thread_name(|i| format!("spark-cpu-{i}")).build().map_err(
+                |e| Error::new(spark_core::ErrorKind::Backend, format!("cannot start {n} CPU threads: {e}")),
+            )?;
         Ok(CpuBackend { pool, simd: Simd::detect() })
     }
 
@@ -134,21 +133,38 @@ impl Backend for CpuBackend {
         check(x.rows == out.rows && x.cols == out.cols && w.cols == x.cols, "rms_norm")?;
         let wv = w.f32_vec();
         self.pool.install(|| {
-            out.data.par_chunks_mut(x.cols).zip(x.data.par_chunks(x.cols)).for_each(|(o, xr)| ops::rms_norm(xr, &wv, eps, o, round))
+            out.data
+                .par_chunks_mut(x.cols)
+                .zip(x.data.par_chunks(x.cols))
+                .for_each(|(o, xr)| ops::rms_norm(xr, &wv, eps, o, round))
         });
         Ok(())
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
         check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
-        self.pool.install(|| kernels::matmul::matmul(self.simd, &x.data, x.rows, x.cols, w.mat(), w.rows, &mut out.data, round));
+        self.pool.install(|| {
+            kernels::matmul::matmul(self.simd, &x.data, x.rows, x.cols, w.mat(), w.rows, &mut out.data, round)
+        });
         Ok(())
     }
 
-    fn rope(&self, qkv: &mut CpuTensor, positions: &[u32], table: &RopeTable, n_heads: usize, n_kv_heads: usize, head_dim: usize, round: DType) -> Result<()> {
+    fn rope(
+        &self,
+        qkv: &mut CpuTensor,
+        positions: &[u32],
+        table: &RopeTable,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        round: DType,
+    ) -> Result<()> {
         check(qkv.rows == positions.len() && qkv.cols >= (n_heads + n_kv_heads) * head_dim, "rope")?;
         if let Some(&p) = positions.iter().find(|&&p| p as usize >= table.positions) {
-            return Err(Error::invalid(format!("position {p} is beyond the RoPE table ({} positions)", table.positions)));
+            return Err(Error::invalid(format!(
+                "position {p} is beyond the RoPE table ({} positions)",
+                table.positions
+            )));
         }
         let cols = qkv.cols;
         self.pool.install(|| {
@@ -161,20 +177,42 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn attention(&self, qkv: &CpuTensor, chunk: AttnChunk, shape: AttnShape, kv: &mut CpuKv, out: &mut CpuTensor, round: DType) -> Result<()> {
+    fn attention(
+        &self,
+        qkv: &CpuTensor,
+        chunk: AttnChunk,
+        shape: AttnShape,
+        kv: &mut CpuKv,
+        out: &mut CpuTensor,
+        round: DType,
+    ) -> Result<()> {
         check(out.cols == shape.n_heads * shape.head_dim && chunk.row + chunk.len <= qkv.rows, "attention")?;
         if kv.len() != chunk.start_pos {
-            return Err(Error::internal(format!("attention: cache holds {} positions, chunk starts at {}", kv.len(), chunk.start_pos)));
+            return Err(Error::internal(format!(
+                "attention: cache holds {} positions, chunk starts at {}",
+                kv.len(),
+                chunk.start_pos
+            )));
         }
         self.pool.install(|| attention::attend(self.simd, qkv, chunk, shape, kv, out, round));
         kv.append(qkv, chunk, shape)
     }
 
-    fn head_gate(&self, attn: &mut CpuTensor, g: &CpuTensor, act: GateAct, head_dim: usize, round: DType) -> Result<()> {
+    fn head_gate(
+        &self,
+        attn: &mut CpuTensor,
+        g: &CpuTensor,
+        act: GateAct,
+        head_dim: usize,
+        round: DType,
+    ) -> Result<()> {
         check(attn.rows == g.rows && attn.cols == g.cols * head_dim, "head_gate")?;
         let gc = g.cols;
         self.pool.install(|| {
-            attn.data.par_chunks_mut(attn.cols).zip(g.data.par_chunks(gc)).for_each(|(a, gr)| ops::head_gate(a, gr, act, head_dim, round))
+            attn.data
+                .par_chunks_mut(attn.cols)
+                .zip(g.data.par_chunks(gc))
+                .for_each(|(a, gr)| ops::head_gate(a, gr, act, head_dim, round))
         });
         Ok(())
     }

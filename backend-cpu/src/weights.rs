@@ -33,7 +33,7 @@ impl CpuWeight {
             s => return Err(Error::model(format!("tensor '{}' has shape {s:?}; expected 1 or 2 dims", t.name))),
         };
         let bytes = t.bytes();
-        let aligned = (bytes.as_ptr() as usize) % t.dtype.size() == 0;
+        let aligned = (bytes.as_ptr() as usize).is_multiple_of(t.dtype.size());
         let store = if t.dtype == dtype && aligned {
             Store::Mapped(t.data.clone())
         } else {
@@ -84,7 +84,11 @@ impl CpuWeight {
             DType::F32 => Cow::Borrowed(self.f32s()),
             _ => {
                 let r = self.row(0);
-                Cow::Owned((0..self.rows * self.cols).map(|i| if self.rows == 1 { r.get(i) } else { self.row(i / self.cols).get(i % self.cols) }).collect())
+                Cow::Owned(
+                    (0..self.rows * self.cols)
+                        .map(|i| if self.rows == 1 { r.get(i) } else { self.row(i / self.cols).get(i % self.cols) })
+                        .collect(),
+                )
             }
         }
     }

@@ -76,17 +76,49 @@ pub trait Backend: Send {
     /// `out[i] = table[ids[i]]` as f32.
     fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
     /// `out = x * rsqrt(mean(x^2) + eps) * w`, computed in f32.
-    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32, out: &mut Self::Tensor, round: DType) -> Result<()>;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Tensor,
+        round: DType,
+    ) -> Result<()>;
     /// `out = x W^T` for `W` `[out, in]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor, round: DType) -> Result<()>;
     /// Rotate, in place, the Q heads (cols `0..n_heads*head_dim`) and K heads (the next
     /// `n_kv_heads*head_dim` cols) of a fused QKV buffer, row `i` at `positions[i]`.
-    fn rope(&self, qkv: &mut Self::Tensor, positions: &[u32], table: &Self::Rope, n_heads: usize, n_kv_heads: usize, head_dim: usize, round: DType) -> Result<()>;
+    #[allow(clippy::too_many_arguments)]
+    fn rope(
+        &self,
+        qkv: &mut Self::Tensor,
+        positions: &[u32],
+        table: &Self::Rope,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        round: DType,
+    ) -> Result<()>;
     /// Attention of each chunk's queries (from the fused `qkv`) over its cached keys and its own
     /// new keys, writing `[rows, n_heads*head_dim]` into `out`; then append the new K/V to `kv`.
-    fn attention(&self, qkv: &Self::Tensor, chunk: AttnChunk, shape: AttnShape, kv: &mut Self::Kv, out: &mut Self::Tensor, round: DType) -> Result<()>;
+    fn attention(
+        &self,
+        qkv: &Self::Tensor,
+        chunk: AttnChunk,
+        shape: AttnShape,
+        kv: &mut Self::Kv,
+        out: &mut Self::Tensor,
+        round: DType,
+    ) -> Result<()>;
     /// `attn[r, h*d..(h+1)*d] *= act(g[r, h])`.
-    fn head_gate(&self, attn: &mut Self::Tensor, g: &Self::Tensor, act: GateAct, head_dim: usize, round: DType) -> Result<()>;
+    fn head_gate(
+        &self,
+        attn: &mut Self::Tensor,
+        g: &Self::Tensor,
+        act: GateAct,
+        head_dim: usize,
+        round: DType,
+    ) -> Result<()>;
     /// `out = gelu_erf(gate) * up`.
     fn geglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor, round: DType) -> Result<()>;
     /// `h += x`.

@@ -78,17 +78,14 @@ pub struct ModelConfig {
 }
 
 fn field<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<&'a Value> {
-    obj.get(name)
-        .ok_or_else(|| Error::model(format!("config.json: missing field '{name}'")))
+    obj.get(name).ok_or_else(|| Error::model(format!("config.json: missing field '{name}'")))
 }
 
 fn usize_field(obj: &Map<String, Value>, name: &str) -> Result<usize> {
     let v = field(obj, name)?;
-    v.as_u64().map(|x| x as usize).ok_or_else(|| {
-        Error::model(format!(
-            "config.json: field '{name}' must be a non-negative integer, got {v}"
-        ))
-    })
+    v.as_u64()
+        .map(|x| x as usize)
+        .ok_or_else(|| Error::model(format!("config.json: field '{name}' must be a non-negative integer, got {v}")))
 }
 
 fn opt_usize(obj: &Map<String, Value>, name: &str) -> Result<Option<usize>> {
@@ -101,11 +98,10 @@ fn opt_usize(obj: &Map<String, Value>, name: &str) -> Result<Option<usize>> {
 fn opt_f64(obj: &Map<String, Value>, name: &str, ctx: &str) -> Result<Option<f64>> {
     match obj.get(name) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-            Error::model(format!(
-                "config.json: field '{ctx}{name}' must be a number, got {v}"
-            ))
-        }),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| Error::model(format!("config.json: field '{ctx}{name}' must be a number, got {v}"))),
     }
 }
 
@@ -113,9 +109,7 @@ fn opt_bool(obj: &Map<String, Value>, name: &str) -> Result<Option<bool>> {
     match obj.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(v) => Err(Error::model(format!(
-            "config.json: field '{name}' must be true or false, got {v}"
-        ))),
+        Some(v) => Err(Error::model(format!("config.json: field '{name}' must be true or false, got {v}"))),
     }
 }
 
@@ -123,9 +117,7 @@ fn opt_str<'a>(obj: &'a Map<String, Value>, name: &str) -> Result<Option<&'a str
     match obj.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(v) => Err(Error::model(format!(
-            "config.json: field '{name}' must be a string, got {v}"
-        ))),
+        Some(v) => Err(Error::model(format!("config.json: field '{name}' must be a string, got {v}"))),
     }
 }
 
@@ -135,9 +127,9 @@ fn token_ids(obj: &Map<String, Value>, name: &str) -> Result<Vec<u32>> {
         Some(Value::Array(a)) => a
             .iter()
             .map(|v| {
-                v.as_u64().map(|x| x as u32).ok_or_else(|| {
-                    Error::model(format!("config.json: '{name}' must hold token ids, got {v}"))
-                })
+                v.as_u64()
+                    .map(|x| x as u32)
+                    .ok_or_else(|| Error::model(format!("config.json: '{name}' must hold token ids, got {v}")))
             })
             .collect(),
         Some(v) => v
@@ -150,20 +142,16 @@ fn token_ids(obj: &Map<String, Value>, name: &str) -> Result<Vec<u32>> {
 impl ModelConfig {
     /// Read and validate `config.json` at `path`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::model(format!("cannot read {}: {e}", path.display())))?;
-        Self::from_json_str(&text).map_err(|e| {
-            Error::new(e.kind, format!("{}: {}", path.display(), e.message))
-        })
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::model(format!("cannot read {}: {e}", path.display())))?;
+        Self::from_json_str(&text).map_err(|e| Error::new(e.kind, format!("{}: {}", path.display(), e.message)))
     }
 
     /// Parse and validate the text of a `config.json`.
     pub fn from_json_str(text: &str) -> Result<Self> {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| Error::model(format!("config.json is not valid JSON: {e}")))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| Error::model("config.json: the top level must be an object"))?;
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| Error::model(format!("config.json is not valid JSON: {e}")))?;
+        let obj = v.as_object().ok_or_else(|| Error::model("config.json: the top level must be an object"))?;
         Self::from_json(obj)
     }
 
@@ -210,10 +198,8 @@ impl ModelConfig {
                 hidden / n_heads
             }
         };
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(Error::model(format!(
-                "config.json: 'head_dim' must be even and > 0, got {head_dim}"
-            )));
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(Error::model(format!("config.json: 'head_dim' must be even and > 0, got {head_dim}")));
         }
 
         let act = opt_str(obj, "hidden_act")?.unwrap_or("gelu");
@@ -245,9 +231,9 @@ impl ModelConfig {
         };
 
         let layer_types = match obj.get("layer_types") {
-            None | Some(Value::Null) => (0..n_layers)
-                .map(|i| if i % 4 == 3 { LayerType::Full } else { LayerType::Sliding })
-                .collect::<Vec<_>>(),
+            None | Some(Value::Null) => {
+                (0..n_layers).map(|i| if i % 4 == 3 { LayerType::Full } else { LayerType::Sliding }).collect::<Vec<_>>()
+            }
             Some(Value::Array(a)) => {
                 if a.len() != n_layers {
                     return Err(Error::model(format!(
@@ -266,11 +252,7 @@ impl ModelConfig {
                     })
                     .collect::<Result<Vec<_>>>()?
             }
-            Some(v) => {
-                return Err(Error::model(format!(
-                    "config.json: layer_types must be a list, got {v}"
-                )))
-            }
+            Some(v) => return Err(Error::model(format!("config.json: layer_types must be a list, got {v}"))),
         };
         let any_sliding = layer_types.contains(&LayerType::Sliding);
         let sliding_window = opt_usize(obj, "sliding_window")?.unwrap_or(0);
@@ -284,9 +266,7 @@ impl ModelConfig {
 
         let rms_eps = opt_f64(obj, "rms_norm_eps", "")?.unwrap_or(1e-6);
         if !(rms_eps > 0.0 && rms_eps < 1.0) {
-            return Err(Error::model(format!(
-                "config.json: rms_norm_eps must be in (0, 1), got {rms_eps}"
-            )));
+            return Err(Error::model(format!("config.json: rms_norm_eps must be in (0, 1), got {rms_eps}")));
         }
         let tie_embeddings = opt_bool(obj, "tie_word_embeddings")?.unwrap_or(true);
         let bos = token_ids(obj, "bos_token_id")?.first().copied().unwrap_or(0);
@@ -303,11 +283,12 @@ impl ModelConfig {
             }
         }
         let max_positions = opt_usize(obj, "max_position_embeddings")?.unwrap_or(1 << 20);
-        let dtype_name = opt_str(obj, "dtype")?
-            .or(opt_str(obj, "torch_dtype")?)
-            .unwrap_or("bfloat16");
-        let dtype = DType::parse(dtype_name)
-            .map_err(|_| Error::unsupported(format!("config.json: dtype '{dtype_name}' is not supported (expected float32, bfloat16 or float16)")))?;
+        let dtype_name = opt_str(obj, "dtype")?.or(opt_str(obj, "torch_dtype")?).unwrap_or("bfloat16");
+        let dtype = DType::parse(dtype_name).map_err(|_| {
+            Error::unsupported(format!(
+                "config.json: dtype '{dtype_name}' is not supported (expected float32, bfloat16 or float16)"
+            ))
+        })?;
 
         Ok(ModelConfig {
             hidden,
@@ -375,22 +356,18 @@ impl ModelConfig {
                     per_type[idx] = default(theta, factor);
                 }
             }
-            Some(v) => {
-                return Err(Error::model(format!(
-                    "config.json: rope_parameters must be an object, got {v}"
-                )))
-            }
+            Some(v) => return Err(Error::model(format!("config.json: rope_parameters must be an object, got {v}"))),
         }
         let mut out = [RopeParams { theta: 0.0, rot_dims: 0 }; 2];
         for (i, (theta, factor)) in per_type.into_iter().enumerate() {
             let name = if i == 0 { "sliding_attention" } else { "full_attention" };
-            if !(theta > 0.0) {
+            if theta.is_nan() || theta <= 0.0 {
                 return Err(Error::model(format!(
                     "config.json: rope_parameters.{name}.rope_theta must be > 0, got {theta}"
                 )));
             }
             let rot = (head_dim as f64 * factor) as usize;
-            if !(factor > 0.0 && factor <= 1.0) || rot == 0 || rot % 2 != 0 {
+            if !(factor > 0.0 && factor <= 1.0) || rot == 0 || !rot.is_multiple_of(2) {
                 return Err(Error::model(format!(
                     "config.json: rope_parameters.{name}.partial_rotary_factor {factor} gives {rot} rotary dims of head_dim {head_dim}; it must give an even number in 2..={head_dim}"
                 )));
@@ -442,10 +419,7 @@ impl ModelConfig {
 
     /// Number of parameters (tied head counted once).
     pub fn param_count(&self) -> u64 {
-        self.expected_tensors()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum()
+        self.expected_tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
     }
 
     /// KV bytes per token of one layer at `bytes_per_elem` (K and V).
@@ -498,19 +472,58 @@ mod tests {
 
     #[test]
     fn errors_name_field_and_value() {
-        assert!(err_with(|o| { o.insert("hidden_act".into(), "silu".into()); }).contains("hidden_act 'silu'"));
-        assert!(err_with(|o| { o.insert("attention_bias".into(), true.into()); }).contains("attention_bias"));
-        assert!(err_with(|o| { o.remove("hidden_size"); }).contains("'hidden_size'"));
-        assert!(err_with(|o| { o.insert("num_key_value_heads".into(), 3.into()); }).contains("num_key_value_heads (3)"));
-        assert!(err_with(|o| { o.insert("gate_attn_act_mode".into(), "relu".into()); }).contains("gate_attn_act_mode 'relu'"));
-        assert!(err_with(|o| { o.insert("layer_types".into(), serde_json::json!(["sliding_attention"])); }).contains("layer_types has 1 entries"));
-        assert!(err_with(|o| { o["layer_types"][2] = "chunked_attention".into(); }).contains("layer_types[2]"));
-        assert!(err_with(|o| { o["rope_parameters"]["full_attention"]["rope_type"] = "yarn".into(); }).contains("rope_type 'yarn'"));
-        assert!(err_with(|o| { o["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 0.3.into(); }).contains("partial_rotary_factor 0.3"));
-        assert!(err_with(|o| { o.insert("model_type".into(), "llama".into()); }).contains("model_type 'llama'"));
-        assert!(err_with(|o| { o.insert("hidden_size".into(), "big".into()); }).contains("'hidden_size' must be a non-negative integer, got \"big\""));
-        assert!(err_with(|o| { o.insert("headwise_attn_output_gate".into(), false.into()); }).contains("headwise_attn_output_gate"));
-        assert!(err_with(|o| { o.insert("dtype".into(), "int3".into()); }).contains("dtype 'int3'"));
+        assert!(err_with(|o| {
+            o.insert("hidden_act".into(), "silu".into());
+        })
+        .contains("hidden_act 'silu'"));
+        assert!(err_with(|o| {
+            o.insert("attention_bias".into(), true.into());
+        })
+        .contains("attention_bias"));
+        assert!(err_with(|o| {
+            o.remove("hidden_size");
+        })
+        .contains("'hidden_size'"));
+        assert!(err_with(|o| {
+            o.insert("num_key_value_heads".into(), 3.into());
+        })
+        .contains("num_key_value_heads (3)"));
+        assert!(err_with(|o| {
+            o.insert("gate_attn_act_mode".into(), "relu".into());
+        })
+        .contains("gate_attn_act_mode 'relu'"));
+        assert!(err_with(|o| {
+            o.insert("layer_types".into(), serde_json::json!(["sliding_attention"]));
+        })
+        .contains("layer_types has 1 entries"));
+        assert!(err_with(|o| {
+            o["layer_types"][2] = "chunked_attention".into();
+        })
+        .contains("layer_types[2]"));
+        assert!(err_with(|o| {
+            o["rope_parameters"]["full_attention"]["rope_type"] = "yarn".into();
+        })
+        .contains("rope_type 'yarn'"));
+        assert!(err_with(|o| {
+            o["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 0.3.into();
+        })
+        .contains("partial_rotary_factor 0.3"));
+        assert!(err_with(|o| {
+            o.insert("model_type".into(), "llama".into());
+        })
+        .contains("model_type 'llama'"));
+        assert!(err_with(|o| {
+            o.insert("hidden_size".into(), "big".into());
+        })
+        .contains("'hidden_size' must be a non-negative integer, got \"big\""));
+        assert!(err_with(|o| {
+            o.insert("headwise_attn_output_gate".into(), false.into());
+        })
+        .contains("headwise_attn_output_gate"));
+        assert!(err_with(|o| {
+            o.insert("dtype".into(), "int3".into());
+        })
+        .contains("dtype 'int3'"));
         assert!(ModelConfig::from_json_str("{nope").unwrap_err().message.contains("not valid JSON"));
     }
 

@@ -34,9 +34,7 @@ impl DType {
             "f32" | "float32" | "fp32" => Ok(DType::F32),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "f16" | "float16" | "fp16" | "half" => Ok(DType::F16),
-            _ => Err(Error::invalid(format!(
-                "unsupported dtype '{s}' (expected f32, bf16 or f16)"
-            ))),
+            _ => Err(Error::invalid(format!("unsupported dtype '{s}' (expected f32, bf16 or f16)"))),
         }
     }
 
@@ -61,21 +59,13 @@ impl std::fmt::Display for DType {
 pub fn decode_into(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
     out.reserve(bytes.len() / dtype.size());
     match dtype {
-        DType::F32 => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        ),
-        DType::BF16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
-        ),
-        DType::F16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()),
-        ),
+        DType::F32 => out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        DType::BF16 => {
+            out.extend(bytes.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()))
+        }
+        DType::F16 => {
+            out.extend(bytes.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()))
+        }
     }
 }
 

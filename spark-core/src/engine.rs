@@ -84,7 +84,9 @@ impl Session {
             };
             let out = if last { &mut logits[..] } else { &mut [][..] };
             match exec.forward(&[step], out) {
-                Err(e) if first && pos > 0 && e.kind == ErrorKind::InvalidInput && e.message.contains("cannot rewind") => {
+                Err(e)
+                    if first && pos > 0 && e.kind == ErrorKind::InvalidInput && e.message.contains("cannot rewind") =>
+                {
                     // The sliding window already dropped what a rewind needs: start over.
                     exec.release(self.seq_id);
                     self.cached.clear();

@@ -176,10 +176,8 @@ impl<B: Backend> Model<B> {
         let act = self.dtype;
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let ids: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let positions: Vec<u32> = batch
-            .iter()
-            .flat_map(|s| (0..s.tokens.len() as u32).map(move |i| s.start_pos + i))
-            .collect();
+        let positions: Vec<u32> =
+            batch.iter().flat_map(|s| (0..s.tokens.len() as u32).map(move |i| s.start_pos + i)).collect();
         let mut chunks = Vec::with_capacity(batch.len());
         let mut row = 0;
         for s in batch {
@@ -253,7 +251,12 @@ impl<B: Backend> Model<B> {
 
 impl<B: Backend> Executor for Model<B> {
     fn info(&self) -> ExecutorInfo {
-        ExecutorInfo { backend: self.backend.name().to_string(), vocab: self.cfg.vocab, ctx: self.ctx, dtype: self.dtype }
+        ExecutorInfo {
+            backend: self.backend.name().to_string(),
+            vocab: self.cfg.vocab,
+            ctx: self.ctx,
+            dtype: self.dtype,
+        }
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>], out: &mut [f32]) -> Result<()> {

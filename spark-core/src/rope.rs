@@ -20,9 +20,8 @@ impl RopeTable {
     pub fn new(params: RopeParams, positions: usize) -> RopeTable {
         let half = params.rot_dims / 2;
         let theta = params.theta as f32;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|j| 1.0f32 / theta.powf((2 * j) as f32 / params.rot_dims as f32))
-            .collect();
+        let inv_freq: Vec<f32> =
+            (0..half).map(|j| 1.0f32 / theta.powf((2 * j) as f32 / params.rot_dims as f32)).collect();
         let mut cos = Vec::with_capacity(positions * half);
         let mut sin = Vec::with_capacity(positions * half);
         for p in 0..positions {

@@ -85,10 +85,7 @@ pub struct InvalidSamplingParam {
 impl SamplingParams {
     /// Greedy decoding (temperature 0), everything else default.
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, ..Self::default() }
     }
 
     /// Whether these parameters always pick the argmax (after penalties).
@@ -99,11 +96,7 @@ impl SamplingParams {
     /// Checks every field's range; the error names the first bad field and its value.
     pub fn validate(&self) -> Result<(), InvalidSamplingParam> {
         fn bad(field: &'static str, v: f32, expected: &'static str) -> InvalidSamplingParam {
-            InvalidSamplingParam {
-                field,
-                value: format!("{v}"),
-                expected,
-            }
+            InvalidSamplingParam { field, value: format!("{v}"), expected }
         }
         let t = self.temperature;
         if !(t.is_finite() && t >= 0.0) {
@@ -122,18 +115,10 @@ impl SamplingParams {
             return Err(bad("repetition_penalty", r, "a finite number > 0"));
         }
         if !self.frequency_penalty.is_finite() {
-            return Err(bad(
-                "frequency_penalty",
-                self.frequency_penalty,
-                "a finite number",
-            ));
+            return Err(bad("frequency_penalty", self.frequency_penalty, "a finite number"));
         }
         if !self.presence_penalty.is_finite() {
-            return Err(bad(
-                "presence_penalty",
-                self.presence_penalty,
-                "a finite number",
-            ));
+            return Err(bad("presence_penalty", self.presence_penalty, "a finite number"));
         }
         Ok(())
     }
@@ -157,9 +142,7 @@ impl Xoshiro256 {
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             z ^ (z >> 31)
         };
-        Self {
-            s: [next(), next(), next(), next()],
-        }
+        Self { s: [next(), next(), next(), next()] }
     }
 
     /// The next 64 random bits.
@@ -194,25 +177,14 @@ struct Cand {
 
 impl Cand {
     fn new(logit: f32, id: u32) -> Self {
-        Self {
-            logit: if logit.is_nan() {
-                f32::NEG_INFINITY
-            } else {
-                logit
-            },
-            id,
-            w: 0.0,
-        }
+        Self { logit: if logit.is_nan() { f32::NEG_INFINITY } else { logit }, id, w: 0.0 }
     }
 }
 
 /// `Greater` = better: higher logit, then lower id.
 impl Ord for Cand {
     fn cmp(&self, other: &Self) -> Ordering {
-        self.logit
-            .partial_cmp(&other.logit)
-            .unwrap_or(Ordering::Equal)
-            .then_with(|| other.id.cmp(&self.id))
+        self.logit.partial_cmp(&other.logit).unwrap_or(Ordering::Equal).then_with(|| other.id.cmp(&self.id))
     }
 }
 impl PartialOrd for Cand {
@@ -268,12 +240,7 @@ fn select_top_k(logits: &[f32], k: usize, out: &mut Vec<Cand>, heap_buf: &mut Ve
         out.extend(heap.drain().map(|Reverse(c)| c));
         *heap_buf = heap.into_vec();
     } else {
-        out.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| Cand::new(l, i as u32)),
-        );
+        out.extend(logits.iter().enumerate().map(|(i, &l)| Cand::new(l, i as u32)));
         if k < n {
             out.select_nth_unstable_by(k - 1, best_first);
             out.truncate(k);
@@ -299,19 +266,11 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// `log(sum(exp(logits)))`, stable; NaN entries count as `-inf`.
 /// `-inf` for an empty or all-`-inf` slice, `+inf` if any logit is `+inf`.
 pub fn logsumexp(logits: &[f32]) -> f32 {
-    let max = logits
-        .iter()
-        .copied()
-        .filter(|l| !l.is_nan())
-        .fold(f32::NEG_INFINITY, f32::max);
+    let max = logits.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
         return max;
     }
-    let sum: f64 = logits
-        .iter()
-        .filter(|l| !l.is_nan())
-        .map(|&l| ((l - max) as f64).exp())
-        .sum();
+    let sum: f64 = logits.iter().filter(|l| !l.is_nan()).map(|&l| ((l - max) as f64).exp()).sum();
     max + sum.ln() as f32
 }
 
@@ -407,8 +366,7 @@ impl Sampler {
         if self.params.is_greedy() {
             return argmax(logits);
         }
-        let streaming = (self.params.top_k == 0 || self.params.top_k >= logits.len())
-            && self.params.top_p >= 1.0;
+        let streaming = (self.params.top_k == 0 || self.params.top_k >= logits.len()) && self.params.top_p >= 1.0;
         let drawn = if streaming {
             self.draw_streaming(logits)
         } else if self.prepare(logits) {
@@ -425,11 +383,7 @@ impl Sampler {
     fn draw_streaming(&mut self, logits: &[f32]) -> Option<u32> {
         let inv_t = 1.0 / self.params.temperature;
         let min_p = self.params.min_p;
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max);
+        let max = logits.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
         if !max.is_finite() {
             return None;
         }
@@ -512,11 +466,7 @@ impl Sampler {
         let p = self.params;
         let inv_t = 1.0 / p.temperature;
         let n = logits.len();
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max);
+        let max = logits.iter().copied().filter(|l| !l.is_nan()).fold(f32::NEG_INFINITY, f32::max);
         if !max.is_finite() {
             return false;
         }
@@ -539,11 +489,7 @@ impl Sampler {
                 c.w = w_of(c.logit);
                 mass += c.w as f64;
             }
-            let target = if use_top_p {
-                p.top_p as f64 * mass
-            } else {
-                f64::INFINITY
-            };
+            let target = if use_top_p { p.top_p as f64 * mass } else { f64::INFINITY };
             let cut = sorted_cut(&self.cand, 0.0, target, p.min_p).unwrap_or(self.cand.len());
             self.cand.truncate(cut);
             return true;
@@ -683,30 +629,17 @@ mod tests {
     }
 
     fn draws(s: &mut Sampler, logits: &[f32], n: usize) -> Vec<u32> {
-        (0..n)
-            .map(|_| s.sample(&mut logits.to_vec(), &[], &[]))
-            .collect()
+        (0..n).map(|_| s.sample(&mut logits.to_vec(), &[], &[])).collect()
     }
 
     /// Reference implementation of the kept set with a full sort (HF semantics).
     fn reference_kept(logits: &[f32], p: &SamplingParams) -> Vec<u32> {
-        let mut c: Vec<Cand> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| Cand::new(l, i as u32))
-            .collect();
+        let mut c: Vec<Cand> = logits.iter().enumerate().map(|(i, &l)| Cand::new(l, i as u32)).collect();
         c.sort_by(best_first);
-        let k = if p.top_k == 0 {
-            c.len()
-        } else {
-            p.top_k.min(c.len())
-        };
+        let k = if p.top_k == 0 { c.len() } else { p.top_k.min(c.len()) };
         c.truncate(k);
         let max = c[0].logit;
-        let w: Vec<f64> = c
-            .iter()
-            .map(|x| (((x.logit - max) / p.temperature) as f64).exp())
-            .collect();
+        let w: Vec<f64> = c.iter().map(|x| (((x.logit - max) / p.temperature) as f64).exp()).collect();
         let z: f64 = w.iter().sum();
         let mut kept = Vec::new();
         let mut acc = 0.0;
@@ -760,14 +693,7 @@ mod tests {
         let mut r = Xoshiro256::new(0);
         assert_eq!(r.s[0], 0xE220_A839_7B1D_CDAF);
         let got: Vec<u64> = (0..3).map(|_| r.next_u64()).collect();
-        assert_eq!(
-            got,
-            vec![
-                0x99EC_5F36_CB75_F2B4,
-                0xBF6E_1F78_4956_452A,
-                0x1A5F_849D_4933_E6E0
-            ]
-        );
+        assert_eq!(got, vec![0x99EC_5F36_CB75_F2B4, 0xBF6E_1F78_4956_452A, 0x1A5F_849D_4933_E6E0]);
         for _ in 0..1000 {
             let x = r.next_f64();
             assert!((0.0..1.0).contains(&x));
@@ -879,11 +805,7 @@ mod tests {
             }
             for i in 0..4 {
                 let got = counts[i] as f64 / n as f64;
-                assert!(
-                    (got - want[i]).abs() < 0.015,
-                    "token {i}: got {got}, want {}",
-                    want[i]
-                );
+                assert!((got - want[i]).abs() < 0.015, "token {i}: got {got}, want {}", want[i]);
             }
         }
     }
@@ -893,10 +815,7 @@ mod tests {
         let logits = [1.0f32, 0.0];
         let mut s = sampler(|p| p.temperature = 0.25);
         let n = 10_000;
-        let ones = draws(&mut s, &logits, n)
-            .iter()
-            .filter(|&&t| t == 0)
-            .count();
+        let ones = draws(&mut s, &logits, n).iter().filter(|&&t| t == 0).count();
         let want = 1.0 / (1.0 + (-4.0f64).exp());
         assert!((ones as f64 / n as f64 - want).abs() < 0.015);
     }
@@ -1018,10 +937,7 @@ mod tests {
         assert_eq!(s.sample(&mut [], &[], &[]), 0);
         assert_eq!(s.sample(&mut [f32::NAN; 3], &[], &[]), 0);
         assert_eq!(s.sample(&mut [f32::NEG_INFINITY; 3], &[], &[]), 0);
-        assert_eq!(
-            s.sample(&mut [0.0, f32::INFINITY, f32::INFINITY], &[], &[]),
-            1
-        );
+        assert_eq!(s.sample(&mut [0.0, f32::INFINITY, f32::INFINITY], &[], &[]), 1);
         let mut l = [f32::NAN, f32::NEG_INFINITY, 1.0, f32::NAN];
         for _ in 0..50 {
             assert_eq!(s.sample(&mut l.clone(), &[], &[]), 2);
@@ -1048,18 +964,9 @@ mod tests {
             (params(|p| p.min_p = 1.1), "min_p"),
             (params(|p| p.min_p = f32::NAN), "min_p"),
             (params(|p| p.repetition_penalty = 0.0), "repetition_penalty"),
-            (
-                params(|p| p.repetition_penalty = f32::NAN),
-                "repetition_penalty",
-            ),
-            (
-                params(|p| p.frequency_penalty = f32::NAN),
-                "frequency_penalty",
-            ),
-            (
-                params(|p| p.presence_penalty = f32::NEG_INFINITY),
-                "presence_penalty",
-            ),
+            (params(|p| p.repetition_penalty = f32::NAN), "repetition_penalty"),
+            (params(|p| p.frequency_penalty = f32::NAN), "frequency_penalty"),
+            (params(|p| p.presence_penalty = f32::NEG_INFINITY), "presence_penalty"),
         ];
         for (p, field) in cases {
             let e = p.validate().unwrap_err();
@@ -1069,10 +976,7 @@ mod tests {
             assert!(Sampler::new(p).is_err());
         }
         let e = params(|p| p.top_p = 1.5).validate().unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "invalid sampling parameter `top_p` = 1.5: must be in (0, 1]"
-        );
+        assert_eq!(e.to_string(), "invalid sampling parameter `top_p` = 1.5: must be in (0, 1]");
         assert!(SamplingParams::default().validate().is_ok());
         assert!(SamplingParams::greedy().validate().is_ok());
         assert!(params(|p| {

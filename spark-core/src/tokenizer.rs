@@ -81,8 +81,7 @@ impl Tokenizer {
     /// Loads a `tokenizer.json`; errors name the file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let bytes =
-            std::fs::read(path).with_context(|| format!("reading tokenizer {}", path.display()))?;
+        let bytes = std::fs::read(path).with_context(|| format!("reading tokenizer {}", path.display()))?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| anyhow!("parsing tokenizer {}: {e}", path.display()))?;
         Ok(Self::from_inner(inner, path.display().to_string()))
@@ -95,11 +94,7 @@ impl Tokenizer {
 
     /// Wraps an already built `tokenizers::Tokenizer`.
     pub fn from_inner(inner: tokenizers::Tokenizer, origin: impl Into<String>) -> Self {
-        let vocab_size = inner
-            .get_vocab(true)
-            .values()
-            .max()
-            .map_or(0, |&max| max as usize + 1);
+        let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&max| max as usize + 1);
         let id = |content: &str| inner.token_to_id(content);
         let special = SpecialIds {
             bos: id(tokens::BOS),
@@ -121,12 +116,7 @@ impl Tokenizer {
             arg_value: id(tokens::ARG_VALUE),
             end_arg_value: id(tokens::END_ARG_VALUE),
         };
-        Tokenizer {
-            inner,
-            special,
-            vocab_size,
-            origin: origin.into(),
-        }
+        Tokenizer { inner, special, vocab_size, origin: origin.into() }
     }
 
     /// The underlying `tokenizers` tokenizer.
@@ -142,19 +132,15 @@ impl Tokenizer {
     /// Text to ids. Adds no BOS/EOS; added tokens written in the text (`<|User|>`,
     /// `<think>`, `<｜end▁of▁sentence｜>`) become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| anyhow!("encoding with tokenizer {}: {e}", self.origin))?;
+        let encoding =
+            self.inner.encode(text, false).map_err(|e| anyhow!("encoding with tokenizer {}: {e}", self.origin))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     /// Ids to text. `skip_special` drops tokens flagged special (BOS, EOS, pad); role, think
     /// and tool markers are not special and stay. Unknown ids are skipped.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| anyhow!("decoding with tokenizer {}: {e}", self.origin))
+        self.inner.decode(ids, skip_special).map_err(|e| anyhow!("decoding with tokenizer {}: {e}", self.origin))
     }
 
     /// A decoder for streaming generated ids as text deltas.
@@ -232,13 +218,7 @@ pub struct StreamDecoder<'a> {
 impl<'a> StreamDecoder<'a> {
     /// A decoder over `tokenizer`; `skip_special` as in [`Tokenizer::decode`].
     pub fn new(tokenizer: &'a Tokenizer, skip_special: bool) -> Self {
-        StreamDecoder {
-            tokenizer,
-            skip_special,
-            ids: Vec::new(),
-            read: 0,
-            prefix: String::new(),
-        }
+        StreamDecoder { tokenizer, skip_special, ids: Vec::new(), read: 0, prefix: String::new() }
     }
 
     /// Adds one id; returns the newly completed text, if any.

@@ -80,13 +80,11 @@ pub struct Checkpoint {
 }
 
 fn map_file(path: &Path) -> Result<Arc<Mmap>> {
-    let file = File::open(path)
-        .map_err(|e| Error::model(format!("cannot open {}: {e}", path.display())))?;
+    let file = File::open(path).map_err(|e| Error::model(format!("cannot open {}: {e}", path.display())))?;
     // SAFETY: the file is opened read-only and the map is never written through. Another process
     // truncating the file while it is mapped would make reads fault; that is the usual contract
     // of memory-mapped model files (llama.cpp, safetensors) and is documented for users.
-    let map = unsafe { Mmap::map(&file) }
-        .map_err(|e| Error::model(format!("cannot map {}: {e}", path.display())))?;
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::model(format!("cannot map {}: {e}", path.display())))?;
     Ok(Arc::new(map))
 }
 
@@ -138,10 +136,7 @@ impl Checkpoint {
         for file in &files {
             let map = map_file(file)?;
             let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| {
-                Error::model(format!(
-                    "{}: not a valid safetensors file (truncated or corrupt?): {e}",
-                    file.display()
-                ))
+                Error::model(format!("{}: not a valid safetensors file (truncated or corrupt?): {e}", file.display()))
             })?;
             let base = 8 + header_len;
             for (name, info) in meta.tensors() {
@@ -178,11 +173,12 @@ impl Checkpoint {
     fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>> {
         let text = std::fs::read_to_string(index)
             .map_err(|e| Error::model(format!("cannot read {}: {e}", index.display())))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::model(format!("{}: invalid JSON: {e}", index.display())))?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-            Error::model(format!("{}: missing 'weight_map' object", index.display()))
-        })?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::model(format!("{}: invalid JSON: {e}", index.display())))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::model(format!("{}: missing 'weight_map' object", index.display())))?;
         let dir = index.parent().unwrap_or(Path::new("."));
         let mut shards = BTreeMap::new();
         for (tensor, file) in map {
@@ -200,11 +196,7 @@ impl Checkpoint {
         let files: Vec<PathBuf> = shards.into_keys().map(|f| dir.join(f)).collect();
         for f in &files {
             if !f.exists() {
-                return Err(Error::model(format!(
-                    "{}: shard {} is missing",
-                    index.display(),
-                    f.display()
-                )));
+                return Err(Error::model(format!("{}: shard {} is missing", index.display(), f.display())));
             }
         }
         Ok(files)
@@ -212,9 +204,7 @@ impl Checkpoint {
 
     /// A tensor by name, or an error naming it.
     pub fn get(&self, name: &str) -> Result<&Tensor> {
-        self.tensors
-            .get(name)
-            .ok_or_else(|| Error::model(format!("checkpoint has no tensor '{name}'")))
+        self.tensors.get(name).ok_or_else(|| Error::model(format!("checkpoint has no tensor '{name}'")))
     }
 }
 

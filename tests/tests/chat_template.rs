@@ -9,10 +9,7 @@ use serde_json::{json, Map, Value};
 use spark_core::chat::ChatTemplate;
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from(".."))
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from(".."))
 }
 
 struct Case {
@@ -31,10 +28,7 @@ fn load_cases() -> Result<Vec<Case>> {
     let mut cases = Vec::new();
     for (name, case) in all {
         let mut kwargs = case["kwargs"].as_object().cloned().unwrap_or_default();
-        let add_generation_prompt = kwargs
-            .remove("add_generation_prompt")
-            .and_then(|v| v.as_bool())
-            .unwrap_or(false);
+        let add_generation_prompt = kwargs.remove("add_generation_prompt").and_then(|v| v.as_bool()).unwrap_or(false);
         let tools = match &case["tools"] {
             Value::Null => None,
             t => Some(t.clone()),
@@ -92,29 +86,16 @@ fn check_all(template: &ChatTemplate, label: &str) -> Result<()> {
     assert!(!cases.is_empty(), "no golden chat cases found");
     let mut failures = Vec::new();
     for case in &cases {
-        let got = template.render(
-            &case.messages,
-            case.tools.as_ref(),
-            case.add_generation_prompt,
-            &case.kwargs,
-        );
+        let got = template.render(&case.messages, case.tools.as_ref(), case.add_generation_prompt, &case.kwargs);
         match got {
             Ok(got) if got == case.rendered => {}
-            Ok(got) => failures.push(format!(
-                "[{label}] case {}: {}",
-                case.name,
-                first_difference(&case.rendered, &got)
-            )),
+            Ok(got) => {
+                failures.push(format!("[{label}] case {}: {}", case.name, first_difference(&case.rendered, &got)))
+            }
             Err(e) => failures.push(format!("[{label}] case {}: error {e:#}", case.name)),
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {} cases differ:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} of {} cases differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
     eprintln!("[{label}] {} cases match", cases.len());
     Ok(())
 }
@@ -149,9 +130,7 @@ fn golden_cases_checkpoint_template_from_tokenizer_config() -> Result<()> {
         dir.path().join("tokenizer_config.json"),
     )?;
     let t = ChatTemplate::for_model_dir(dir.path())?;
-    assert!(
-        matches!(&t, ChatTemplate::Jinja { origin, .. } if origin.contains("tokenizer_config.json"))
-    );
+    assert!(matches!(&t, ChatTemplate::Jinja { origin, .. } if origin.contains("tokenizer_config.json")));
     check_all(&t, "tokenizer_config.json")
 }
 
@@ -179,10 +158,7 @@ fn render_err(t: &ChatTemplate, messages: Value) -> String {
 fn unsupported_role_is_an_error() -> Result<()> {
     for (label, t) in all_templates()? {
         let e = render_err(&t, json!([{"role": "robot", "content": "hi"}]));
-        assert!(
-            e.contains("Unsupported message role: robot"),
-            "[{label}] {e}"
-        );
+        assert!(e.contains("Unsupported message role: robot"), "[{label}] {e}");
     }
     Ok(())
 }
@@ -197,10 +173,7 @@ fn arguments_as_json_string_is_an_error() -> Result<()> {
     ]);
     for (label, t) in all_templates()? {
         let e = render_err(&t, messages.clone());
-        assert!(
-            e.contains("tool_call.function.arguments must be a dictionary"),
-            "[{label}] {e}"
-        );
+        assert!(e.contains("tool_call.function.arguments must be a dictionary"), "[{label}] {e}");
     }
     Ok(())
 }
@@ -210,19 +183,10 @@ fn other_template_errors() -> Result<()> {
     for (label, t) in all_templates()? {
         let e = render_err(&t, json!([]));
         assert!(e.contains("No messages provided."), "[{label}] {e}");
-        let e = render_err(
-            &t,
-            json!([{"role": "user", "content": [{"type": "image", "url": "x"}]}]),
-        );
-        assert!(
-            e.contains("Unsupported user content block type: image"),
-            "[{label}] {e}"
-        );
+        let e = render_err(&t, json!([{"role": "user", "content": [{"type": "image", "url": "x"}]}]));
+        assert!(e.contains("Unsupported user content block type: image"), "[{label}] {e}");
         let e = render_err(&t, json!([{"role": "user", "content": {"text": "x"}}]));
-        assert!(
-            e.contains("user content must be a string or a list of text blocks"),
-            "[{label}] {e}"
-        );
+        assert!(e.contains("user content must be a string or a list of text blocks"), "[{label}] {e}");
     }
     Ok(())
 }
@@ -253,19 +217,12 @@ fn renderers_agree_beyond_the_golden_cases() -> Result<()> {
             .map(|(label, t)| Ok((*label, t.render(&messages, tools, gen, &kwargs)?)))
             .collect::<Result<_>>()?;
         for (label, out) in &outputs[1..] {
-            assert!(
-                out == &outputs[0].1,
-                "[{label}] vs [{}]: {}",
-                outputs[0].0,
-                first_difference(&outputs[0].1, out)
-            );
+            assert!(out == &outputs[0].1, "[{label}] vs [{}]: {}", outputs[0].0, first_difference(&outputs[0].1, out));
         }
         assert!(outputs[0].1.contains(
             "<arg_key>f</arg_key><arg_value>1.5</arg_value><arg_key>big</arg_key><arg_value>1e+20</arg_value>"
         ));
-        assert!(outputs[0]
-            .1
-            .contains(r#"<arg_value>{"k": ["a\"b", {"z": false}], "e": {}, "l": []}</arg_value>"#));
+        assert!(outputs[0].1.contains(r#"<arg_value>{"k": ["a\"b", {"z": false}], "e": {}, "l": []}</arg_value>"#));
     }
     Ok(())
 }

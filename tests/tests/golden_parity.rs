@@ -42,7 +42,8 @@ fn step_logits(m: &mut Model<CpuBackend>, prompt: &[u32], feed: &[u32]) -> Vec<f
     let mut all = rows.clone();
     for (t, &id) in feed.iter().enumerate() {
         let pos = (prompt.len() + t) as u32;
-        m.forward(&[SeqStep { seq_id: 7, tokens: &[id], start_pos: pos, logits: LogitsMode::Last }], &mut rows).unwrap();
+        m.forward(&[SeqStep { seq_id: 7, tokens: &[id], start_pos: pos, logits: LogitsMode::Last }], &mut rows)
+            .unwrap();
         all.extend_from_slice(&rows);
     }
     m.release(7);
@@ -94,7 +95,11 @@ fn chunked_prefill_and_batching_match_one_shot() {
         let mut got = vec![];
         for (c, part) in ids.chunks(chunk).enumerate() {
             let mut out = vec![0.0; part.len() * vocab];
-            m.forward(&[SeqStep { seq_id: 3, tokens: part, start_pos: (c * chunk) as u32, logits: LogitsMode::All }], &mut out).unwrap();
+            m.forward(
+                &[SeqStep { seq_id: 3, tokens: part, start_pos: (c * chunk) as u32, logits: LogitsMode::All }],
+                &mut out,
+            )
+            .unwrap();
             got.extend(out);
         }
         m.release(3);

@@ -44,10 +44,7 @@ fn digits_split_one_per_token_and_no_bos() -> Result<()> {
     let tok = demo()?;
     let ids = tok.encode("2026")?;
     assert_eq!(ids.len(), 4, "{ids:?}");
-    let pieces: Vec<String> = ids
-        .iter()
-        .map(|&id| tok.decode(&[id], false))
-        .collect::<Result<_>>()?;
+    let pieces: Vec<String> = ids.iter().map(|&id| tok.decode(&[id], false)).collect::<Result<_>>()?;
     assert_eq!(pieces, ["2", "0", "2", "6"]);
     assert!(!ids.contains(&0) && !ids.contains(&1));
     Ok(())
@@ -97,10 +94,7 @@ fn stream_decoder_reproduces_full_decode() -> Result<()> {
         for &id in &ids {
             match stream.step(id)? {
                 Some(delta) => {
-                    assert!(
-                        !delta.contains('\u{FFFD}'),
-                        "partial char emitted for {text:?}"
-                    );
+                    assert!(!delta.contains('\u{FFFD}'), "partial char emitted for {text:?}");
                     out.push_str(&delta);
                 }
                 None => held_back += 1,
@@ -124,10 +118,7 @@ fn stream_decoder_holds_partial_characters() -> Result<()> {
     // Find a character that this small vocabulary splits over several byte tokens.
     let text = "日本語の文字";
     let ids = tok.encode(text)?;
-    assert!(
-        ids.len() > text.chars().count(),
-        "expected byte-split characters: {ids:?}"
-    );
+    assert!(ids.len() > text.chars().count(), "expected byte-split characters: {ids:?}");
     let mut stream = tok.stream_decoder(true);
     let mut out = String::new();
     for &id in &ids {
@@ -153,19 +144,13 @@ fn stream_decoder_holds_partial_characters() -> Result<()> {
 #[test]
 fn missing_file_error_names_the_path() {
     let path = demo_dir().join("no-such-tokenizer.json");
-    let err = Tokenizer::from_file(&path)
-        .err()
-        .map(|e| format!("{e:#}"))
-        .unwrap_or_default();
+    let err = Tokenizer::from_file(&path).err().map(|e| format!("{e:#}")).unwrap_or_default();
     assert!(err.contains("no-such-tokenizer.json"), "{err}");
     let dir = tempfile::tempdir().ok();
     if let Some(dir) = dir {
         let bad = dir.path().join("tokenizer.json");
         if std::fs::write(&bad, "{not json").is_ok() {
-            let err = Tokenizer::from_file(&bad)
-                .err()
-                .map(|e| format!("{e:#}"))
-                .unwrap_or_default();
+            let err = Tokenizer::from_file(&bad).err().map(|e| format!("{e:#}")).unwrap_or_default();
             assert!(err.contains(&bad.display().to_string()), "{err}");
         }
     }

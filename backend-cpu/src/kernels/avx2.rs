@@ -109,8 +109,8 @@ pub unsafe fn tile<const R: usize, const T: usize>(x: &[&[f32]; T], w: &[Row<'_>
     for r in 0..R {
         for t in 0..T {
             let mut s = hsum(acc[r][t]);
-            for j in i..n {
-                s += x[t][j] * w[r].get(j);
+            for (j, &xv) in x[t].iter().enumerate().skip(i) {
+                s += xv * w[r].get(j);
             }
             out[r][t] = s;
         }

@@ -47,6 +47,7 @@ impl SharedOut {
 const TOKEN_BLOCK: usize = 48;
 
 /// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])`.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: &mut [f32], round: DType) {
     assert_eq!(x.len(), n * k, "matmul: x has the wrong size");
     assert_eq!(out.len(), n * m, "matmul: out has the wrong size");
@@ -57,7 +58,6 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let r0 = c * chunk;
         let r1 = (r0 + chunk).min(m);
-        let outp = outp;
         let put = |t: usize, r: usize, v: f32| {
             // SAFETY: t < n and r < m, so the cell is inside `out`; each (t, r) is written by
             // exactly one thread because weight-row ranges [r0, r1) are disjoint per chunk.
@@ -71,7 +71,17 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
 }
 
 #[allow(clippy::too_many_arguments)]
-fn chunk_rows(simd: Simd, x: &[f32], k: usize, w: Mat<'_>, r0: usize, r1: usize, t0: usize, t1: usize, put: &dyn Fn(usize, usize, f32)) {
+fn chunk_rows(
+    simd: Simd,
+    x: &[f32],
+    k: usize,
+    w: Mat<'_>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    t1: usize,
+    put: &dyn Fn(usize, usize, f32),
+) {
     let xrow = |t: usize| &x[t * k..(t + 1) * k];
     #[cfg(target_arch = "x86_64")]
     if simd == Simd::Avx2 {

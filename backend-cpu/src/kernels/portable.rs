@@ -25,8 +25,8 @@ pub fn dot(x: &[f32], w: Row<'_>) -> f32 {
         }
     }
     let mut s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for i in body..n {
-        s += x[i] * w.get(i);
+    for (i, &xv) in x.iter().enumerate().skip(body) {
+        s += xv * w.get(i);
     }
     s
 }
@@ -38,4 +38,3 @@ pub fn axpy(a: f32, w: Row<'_>, out: &mut [f32]) {
         _ => out.iter_mut().enumerate().for_each(|(i, o)| *o += a * w.get(i)),
     }
 }
-

@@ -55,8 +55,7 @@ pub(crate) fn render(
         };
         out.push_str("## Tools\nYou have access to the following functions:\n<tools>");
         for (i, tool) in tools.iter().enumerate() {
-            let function = field(tool, "function")
-                .ok_or_else(|| anyhow!("tool {i} has no \"function\" definition"))?;
+            let function = field(tool, "function").ok_or_else(|| anyhow!("tool {i} has no \"function\" definition"))?;
             out.push('\n');
             out.push_str(&to_json(function)?);
         }
@@ -71,10 +70,7 @@ pub(crate) fn render(
     // Conversation turns.
     for (i, message) in messages.iter().enumerate() {
         if !message.is_object() {
-            bail!(
-                "message {i} must be an object with a role, got {}",
-                type_name(message)
-            );
+            bail!("message {i} must be an object with a role, got {}", type_name(message));
         }
         match role_of(message) {
             Some("system") => {
@@ -107,21 +103,14 @@ pub(crate) fn render(
                     out.push_str(EOS);
                 }
             }
-            _ => bail!(
-                "Unsupported message role: {}",
-                py_str_opt(field(message, "role"))
-            ),
+            _ => bail!("Unsupported message role: {}", py_str_opt(field(message, "role"))),
         }
     }
 
     if add_generation_prompt {
         out.push_str(BOS);
         out.push_str("<|Bot|>");
-        out.push_str(if enable_thinking {
-            "<think>"
-        } else {
-            "</think>"
-        });
+        out.push_str(if enable_thinking { "<think>" } else { "</think>" });
     }
     Ok(out)
 }
@@ -130,10 +119,7 @@ fn render_assistant(message: &Value, out: &mut String) -> Result<()> {
     let content = render_content(field(message, "content"), "assistant")?;
     let reasoning = match field(message, "reasoning_content") {
         Some(Value::String(s)) => s.as_str(),
-        Some(v) if truthy(v) => bail!(
-            "assistant reasoning_content must be a string, got {}",
-            type_name(v)
-        ),
+        Some(v) if truthy(v) => bail!("assistant reasoning_content must be a string, got {}", type_name(v)),
         _ => "",
     };
     out.push_str(BOS);
@@ -153,22 +139,16 @@ fn render_assistant(message: &Value, out: &mut String) -> Result<()> {
                 render_tool_call(i, call, out)?;
             }
         }
-        Some(other) => bail!(
-            "assistant tool_calls must be a list, got {}",
-            type_name(other)
-        ),
+        Some(other) => bail!("assistant tool_calls must be a list, got {}", type_name(other)),
     }
     out.push_str(EOS);
     Ok(())
 }
 
 fn render_tool_call(i: usize, call: &Value, out: &mut String) -> Result<()> {
-    let function =
-        field(call, "function").ok_or_else(|| anyhow!("tool call {i} has no \"function\""))?;
+    let function = field(call, "function").ok_or_else(|| anyhow!("tool call {i} has no \"function\""))?;
     let Some(Value::Object(args)) = field(function, "arguments") else {
-        bail!(
-            "tool_call.function.arguments must be a dictionary; normalize JSON strings before apply_chat_template"
-        );
+        bail!("tool_call.function.arguments must be a dictionary; normalize JSON strings before apply_chat_template");
     };
     let Some(Value::String(name)) = field(function, "name") else {
         bail!("tool call {i} has no function name string");
@@ -201,10 +181,7 @@ fn render_content(content: Option<&Value>, context_name: &str) -> Result<String>
                 if kind.and_then(Value::as_str) == Some("text") {
                     text.push_str(&py_str_opt(field(block, "text")));
                 } else {
-                    bail!(
-                        "Unsupported {context_name} content block type: {}",
-                        py_str_opt(kind)
-                    );
+                    bail!("Unsupported {context_name} content block type: {}", py_str_opt(kind));
                 }
             }
             Ok(text)
@@ -236,9 +213,7 @@ fn truthy(value: &Value) -> bool {
 /// Python `str(x)` of a possibly missing value (missing prints as nothing, as Jinja's
 /// undefined does).
 fn py_str_opt(value: Option<&Value>) -> String {
-    value
-        .map(|v| PyValue::from_json(v).to_py_str())
-        .unwrap_or_default()
+    value.map(|v| PyValue::from_json(v).to_py_str()).unwrap_or_default()
 }
 
 /// `json.dumps(x, ensure_ascii=False)`.
@@ -268,32 +243,15 @@ mod tests {
     }
 
     fn err(messages: Value) -> String {
-        r(messages, None, true, json!({}))
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default()
+        r(messages, None, true, json!({})).err().map(|e| e.to_string()).unwrap_or_default()
     }
 
     #[test]
     fn minimal_prompt() -> Result<()> {
-        let out = r(
-            json!([{"role": "user", "content": "hi"}]),
-            None,
-            true,
-            json!({}),
-        )?;
-        assert_eq!(
-            out,
-            format!(
-                "{BOS}<|System|>\n{DEFAULT_SYSTEM}{EOS}{BOS}<|User|>hi{EOS}{BOS}<|Bot|><think>"
-            )
-        );
-        let out = r(
-            json!([{"role": "user", "content": "hi"}]),
-            Some(json!([])),
-            true,
-            json!({"enable_thinking": false}),
-        )?;
+        let out = r(json!([{"role": "user", "content": "hi"}]), None, true, json!({}))?;
+        assert_eq!(out, format!("{BOS}<|System|>\n{DEFAULT_SYSTEM}{EOS}{BOS}<|User|>hi{EOS}{BOS}<|Bot|><think>"));
+        let out =
+            r(json!([{"role": "user", "content": "hi"}]), Some(json!([])), true, json!({"enable_thinking": false}))?;
         assert!(out.ends_with("<|Bot|></think>"));
         Ok(())
     }
@@ -326,10 +284,7 @@ mod tests {
     #[test]
     fn errors_mirror_template_messages() {
         assert_eq!(err(json!([])), "No messages provided.");
-        assert_eq!(
-            err(json!([{"role": "robot", "content": "x"}])),
-            "Unsupported message role: robot"
-        );
+        assert_eq!(err(json!([{"role": "robot", "content": "x"}])), "Unsupported message role: robot");
         assert_eq!(
             err(json!([{"role": "user", "content": [{"type": "image"}]}])),
             "Unsupported user content block type: image"

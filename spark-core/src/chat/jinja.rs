@@ -27,21 +27,13 @@ use minijinja::{AutoEscape, Environment, Error, ErrorKind, UndefinedBehavior, Va
 use super::pyfmt::{json_dumps, JsonOptions, PyValue};
 
 /// Renders `source` (named `origin` in errors) with the given context variables.
-pub(crate) fn render(
-    source: &str,
-    origin: &str,
-    context: Vec<(String, serde_json::Value)>,
-) -> Result<String> {
+pub(crate) fn render(source: &str, origin: &str, context: Vec<(String, serde_json::Value)>) -> Result<String> {
     let raised: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
     let env = environment(Arc::clone(&raised));
     let template = env
         .template_from_named_str(origin, source)
         .map_err(|e| anyhow!("chat template {origin} does not parse: {}", describe(&e)))?;
-    let ctx = Value::from_iter(
-        context
-            .into_iter()
-            .map(|(k, v)| (k, Value::from_serialize(&v))),
-    );
+    let ctx = Value::from_iter(context.into_iter().map(|(k, v)| (k, Value::from_serialize(&v))));
     template.render(ctx).map_err(|e| {
         let message = raised.lock().ok().and_then(|mut m| m.take());
         match message {
@@ -78,19 +70,14 @@ fn environment(raised: Arc<Mutex<Option<String>>>) -> Environment<'static> {
     });
     env.add_filter("tojson", tojson);
     env.add_filter("string", |value: &Value| Value::from(python_str(value)));
-    env.add_function(
-        "raise_exception",
-        move |message: Option<Value>| -> Result<Value, Error> {
-            let message = message.map(|m| python_str(&m)).unwrap_or_default();
-            if let Ok(mut slot) = raised.lock() {
-                slot.get_or_insert_with(|| message.clone());
-            }
-            Err(Error::new(ErrorKind::InvalidOperation, message))
-        },
-    );
-    env.add_function("strftime_now", |format: &str| {
-        strftime_utc(format, now_unix())
+    env.add_function("raise_exception", move |message: Option<Value>| -> Result<Value, Error> {
+        let message = message.map(|m| python_str(&m)).unwrap_or_default();
+        if let Ok(mut slot) = raised.lock() {
+            slot.get_or_insert_with(|| message.clone());
+        }
+        Err(Error::new(ErrorKind::InvalidOperation, message))
     });
+    env.add_function("strftime_now", |format: &str| strftime_utc(format, now_unix()));
     env
 }
 
@@ -118,10 +105,7 @@ fn tojson(value: &Value, args: Rest<Value>) -> Result<String, Error> {
     };
     const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if positional.len() > NAMES.len() {
-        return Err(Error::new(
-            ErrorKind::TooManyArguments,
-            "tojson takes at most 4 arguments",
-        ));
+        return Err(Error::new(ErrorKind::TooManyArguments, "tojson takes at most 4 arguments"));
     }
     let mut params: [Option<Value>; 4] = Default::default();
     for (i, v) in positional.into_iter().enumerate() {
@@ -155,10 +139,7 @@ fn tojson(value: &Value, args: Rest<Value>) -> Result<String, Error> {
             } else if let Some(n) = v.as_i64() {
                 " ".repeat(usize::try_from(n).unwrap_or(0))
             } else {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    "tojson indent must be an integer or a string",
-                ));
+                return Err(Error::new(ErrorKind::InvalidOperation, "tojson indent must be an integer or a string"));
             });
             opts.item_separator = ",".to_string();
         }
@@ -170,16 +151,10 @@ fn tojson(value: &Value, args: Rest<Value>) -> Result<String, Error> {
                 opts.item_separator = item.as_str().unwrap_or_default().to_string();
                 opts.key_separator = key.as_str().unwrap_or_default().to_string();
             }
-            _ => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    "tojson separators must be a pair of strings",
-                ))
-            }
+            _ => return Err(Error::new(ErrorKind::InvalidOperation, "tojson separators must be a pair of strings")),
         }
     }
-    let py = PyValue::from_minijinja(value)
-        .map_err(|msg| Error::new(ErrorKind::InvalidOperation, msg))?;
+    let py = PyValue::from_minijinja(value).map_err(|msg| Error::new(ErrorKind::InvalidOperation, msg))?;
     json_dumps(&py, &opts).map_err(|msg| Error::new(ErrorKind::InvalidOperation, msg))
 }
 
@@ -194,15 +169,7 @@ fn now_unix() -> i64 {
 /// in UTC). Supports `%Y %y %m %d %e %H %I %M %S %p %j %a %A %b %B %h %F %T %%`; other
 /// directives are kept as written.
 fn strftime_utc(format: &str, unix: i64) -> String {
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     const MONTHS: [&str; 12] = [
         "January",
         "February",
@@ -347,10 +314,7 @@ mod tests {
 
     #[test]
     fn lenient_undefined_like_jinja2() {
-        assert_eq!(
-            r("[{{ a }}]{% for x in a %}{% endfor %}", json!({})).ok(),
-            Some("[]".into())
-        );
+        assert_eq!(r("[{{ a }}]{% for x in a %}{% endfor %}", json!({})).ok(), Some("[]".into()));
         assert!(r("{{ a.b }}", json!({})).is_err());
     }
 
@@ -358,10 +322,7 @@ mod tests {
     fn strftime_formats_utc() {
         // 2024-02-29 13:05:09 UTC, a Thursday.
         let t = 1_709_211_909;
-        assert_eq!(
-            strftime_utc("%Y-%m-%d %H:%M:%S %a %b %j %I%p %%", t),
-            "2024-02-29 13:05:09 Thu Feb 060 01PM %"
-        );
+        assert_eq!(strftime_utc("%Y-%m-%d %H:%M:%S %a %b %j %I%p %%", t), "2024-02-29 13:05:09 Thu Feb 060 01PM %");
         assert_eq!(strftime_utc("%d %B %Y", 0), "01 January 1970");
     }
 }

@@ -56,14 +56,13 @@ impl ChatTemplate {
             if !path.is_file() {
                 continue;
             }
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let json: Value = serde_json::from_str(&text)
-                .with_context(|| format!("parsing {}", path.display()))?;
+            let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let json: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
             let template = match json.get("chat_template") {
                 None | Some(Value::Null) => continue,
-                Some(entry) => select_template(entry)
-                    .with_context(|| format!("chat_template in {}", path.display()))?,
+                Some(entry) => {
+                    select_template(entry).with_context(|| format!("chat_template in {}", path.display()))?
+                }
             };
             return Ok(Some(ChatTemplate::Jinja {
                 source: template,
@@ -80,12 +79,9 @@ impl ChatTemplate {
 
     /// A Jinja template read from a file.
     pub fn from_file(path: &Path) -> Result<ChatTemplate> {
-        let source = std::fs::read_to_string(path)
-            .with_context(|| format!("reading chat template {}", path.display()))?;
-        Ok(ChatTemplate::Jinja {
-            source,
-            origin: path.display().to_string(),
-        })
+        let source =
+            std::fs::read_to_string(path).with_context(|| format!("reading chat template {}", path.display()))?;
+        Ok(ChatTemplate::Jinja { source, origin: path.display().to_string() })
     }
 
     /// A short description for logs: the template's origin, or `built-in`.
@@ -113,21 +109,15 @@ impl ChatTemplate {
         }
         match self {
             ChatTemplate::Jinja { source, origin } => {
-                let mut context: Vec<(String, Value)> =
-                    kwargs.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                let mut context: Vec<(String, Value)> = kwargs.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
                 context.push(("messages".into(), messages.clone()));
                 context.push(("tools".into(), tools.cloned().unwrap_or(Value::Null)));
                 context.push(("documents".into(), Value::Null));
-                context.push((
-                    "add_generation_prompt".into(),
-                    Value::Bool(add_generation_prompt),
-                ));
+                context.push(("add_generation_prompt".into(), Value::Bool(add_generation_prompt)));
                 jinja::render(source, origin, context)
             }
-            ChatTemplate::Builtin => {
-                builtin::render(messages, tools, add_generation_prompt, kwargs)
-                    .map_err(|e| anyhow!("built-in chat template: {e}"))
-            }
+            ChatTemplate::Builtin => builtin::render(messages, tools, add_generation_prompt, kwargs)
+                .map_err(|e| anyhow!("built-in chat template: {e}")),
         }
     }
 }
@@ -148,10 +138,7 @@ fn select_template(entry: &Value) -> Result<String> {
                     _ => bail!("each named template needs a string \"name\" and \"template\""),
                 }
             }
-            bail!(
-                "no template named \"default\" among the named templates [{}]",
-                names.join(", ")
-            )
+            bail!("no template named \"default\" among the named templates [{}]", names.join(", "))
         }
         _ => bail!("must be a string or a list of named templates"),
     }
@@ -166,10 +153,7 @@ mod tests {
     fn model_dir_lookup_order_and_named_templates() -> Result<()> {
         let dir = tempfile::tempdir()?;
         assert_eq!(ChatTemplate::from_model_dir(dir.path())?, None);
-        assert_eq!(
-            ChatTemplate::for_model_dir(dir.path())?,
-            ChatTemplate::Builtin
-        );
+        assert_eq!(ChatTemplate::for_model_dir(dir.path())?, ChatTemplate::Builtin);
 
         let cfg = dir.path().join("tokenizer_config.json");
         std::fs::write(
@@ -186,13 +170,8 @@ mod tests {
         kwargs.insert("x".into(), json!(1));
         assert_eq!(t.render(&json!([]), None, false, &kwargs)?, "D1");
 
-        std::fs::write(
-            &cfg,
-            json!({"chat_template": [{"name": "a", "template": "A"}]}).to_string(),
-        )?;
-        let e = ChatTemplate::from_model_dir(dir.path())
-            .err()
-            .map(|e| format!("{e:#}"));
+        std::fs::write(&cfg, json!({"chat_template": [{"name": "a", "template": "A"}]}).to_string())?;
+        let e = ChatTemplate::from_model_dir(dir.path()).err().map(|e| format!("{e:#}"));
         assert!(e.is_some_and(|e| e.contains("default") && e.contains("tokenizer_config.json")));
 
         std::fs::write(&cfg, "{not json")?;
@@ -211,9 +190,7 @@ mod tests {
         let mut kwargs = Map::new();
         kwargs.insert("messages".into(), json!([]));
         let msgs = json!([{"role": "user", "content": "x"}]);
-        assert!(ChatTemplate::Builtin
-            .render(&msgs, None, true, &kwargs)
-            .is_err());
+        assert!(ChatTemplate::Builtin.render(&msgs, None, true, &kwargs).is_err());
     }
 
     #[test]

@@ -37,50 +37,38 @@ impl PyValue {
             }
             J::String(s) => PyValue::Str(s.clone()),
             J::Array(a) => PyValue::List(a.iter().map(PyValue::from_json).collect()),
-            J::Object(o) => PyValue::Dict(
-                o.iter()
-                    .map(|(k, v)| (PyValue::Str(k.clone()), PyValue::from_json(v)))
-                    .collect(),
-            ),
+            J::Object(o) => {
+                PyValue::Dict(o.iter().map(|(k, v)| (PyValue::Str(k.clone()), PyValue::from_json(v))).collect())
+            }
         }
     }
 
     /// Converts a template value. Fails (with Python's `TypeError` wording) for values that
     /// have no JSON form: undefined, bytes, iterators, namespaces, macros, ...
     pub(crate) fn from_minijinja(v: &minijinja::Value) -> Result<PyValue, String> {
-        let not_serializable =
-            |kind: &str| format!("Object of type {kind} is not JSON serializable");
+        let not_serializable = |kind: &str| format!("Object of type {kind} is not JSON serializable");
         match v.kind() {
             ValueKind::Undefined => Err(not_serializable("Undefined")),
             ValueKind::None => Ok(PyValue::None),
             ValueKind::Bool => Ok(PyValue::Bool(v.is_true())),
             ValueKind::Number => {
                 if v.is_integer() {
-                    i128::try_from(v.clone())
-                        .map(PyValue::Int)
-                        .map_err(|e| e.to_string())
+                    i128::try_from(v.clone()).map(PyValue::Int).map_err(|e| e.to_string())
                 } else {
-                    f64::try_from(v.clone())
-                        .map(PyValue::Float)
-                        .map_err(|e| e.to_string())
+                    f64::try_from(v.clone()).map(PyValue::Float).map_err(|e| e.to_string())
                 }
             }
             ValueKind::String => Ok(PyValue::Str(v.as_str().unwrap_or_default().to_string())),
             ValueKind::Seq => {
                 let iter = v.try_iter().map_err(|e| e.to_string())?;
-                iter.map(|item| PyValue::from_minijinja(&item))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map(PyValue::List)
+                iter.map(|item| PyValue::from_minijinja(&item)).collect::<Result<Vec<_>, _>>().map(PyValue::List)
             }
             ValueKind::Map => {
                 let iter = v.try_iter().map_err(|e| e.to_string())?;
                 let mut items = Vec::new();
                 for key in iter {
                     let value = v.get_item(&key).map_err(|e| e.to_string())?;
-                    items.push((
-                        PyValue::from_minijinja(&key)?,
-                        PyValue::from_minijinja(&value)?,
-                    ));
+                    items.push((PyValue::from_minijinja(&key)?, PyValue::from_minijinja(&value)?));
                 }
                 Ok(PyValue::Dict(items))
             }
@@ -171,12 +159,7 @@ pub(crate) fn json_dumps(value: &PyValue, opts: &JsonOptions) -> Result<String, 
     Ok(out)
 }
 
-fn write_json(
-    v: &PyValue,
-    opts: &JsonOptions,
-    level: usize,
-    out: &mut String,
-) -> Result<(), String> {
+fn write_json(v: &PyValue, opts: &JsonOptions, level: usize, out: &mut String) -> Result<(), String> {
     match v {
         PyValue::None => out.push_str("null"),
         PyValue::Bool(true) => out.push_str("true"),
@@ -205,10 +188,7 @@ fn write_json(
                 out.push_str("{}");
                 return Ok(());
             }
-            let mut keyed = items
-                .iter()
-                .map(|(k, v)| Ok((json_key(k)?, v)))
-                .collect::<Result<Vec<_>, String>>()?;
+            let mut keyed = items.iter().map(|(k, v)| Ok((json_key(k)?, v))).collect::<Result<Vec<_>, String>>()?;
             if opts.sort_keys {
                 keyed.sort_by(|a, b| a.0.cmp(&b.0));
             }
@@ -279,11 +259,7 @@ fn write_json_str(s: &str, ensure_ascii: bool, out: &mut String) {
 
 /// Python `repr(s)` of a string: single quotes unless the text has `'` and no `"`.
 fn str_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') {
-        '"'
-    } else {
-        '\''
-    };
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
     let mut out = String::with_capacity(s.len() + 2);
     out.push(quote);
     for c in s.chars() {
@@ -313,11 +289,7 @@ pub(crate) fn float_repr(f: f64, json: bool) -> String {
     }
     if f.is_infinite() {
         let s = if json { "Infinity" } else { "inf" };
-        return if f < 0.0 {
-            format!("-{s}")
-        } else {
-            s.to_string()
-        };
+        return if f < 0.0 { format!("-{s}") } else { s.to_string() };
     }
     if f == 0.0 {
         return if f.is_sign_negative() { "-0.0" } else { "0.0" }.to_string();
@@ -379,10 +351,7 @@ mod tests {
             dumps(json!({"b": 1, "a": [1, 2.5, true, null], "c": {}})),
             r#"{"b": 1, "a": [1, 2.5, true, null], "c": {}}"#
         );
-        assert_eq!(
-            dumps(json!("<a> & 'b' é\n\u{1}")),
-            r#""<a> & 'b' é\n\u0001""#
-        );
+        assert_eq!(dumps(json!("<a> & 'b' é\n\u{1}")), r#""<a> & 'b' é\n\u0001""#);
         assert_eq!(dumps(json!([])), "[]");
         assert_eq!(dumps(json!(2.0)), "2.0");
     }
@@ -430,10 +399,7 @@ mod tests {
     #[test]
     fn python_str_and_repr() {
         let v = PyValue::from_json(&json!([null, true, 1, 1.5, "it's", "a\"b'c", {"k": "v"}]));
-        assert_eq!(
-            v.to_py_str(),
-            r#"[None, True, 1, 1.5, "it's", 'a"b\'c', {'k': 'v'}]"#
-        );
+        assert_eq!(v.to_py_str(), r#"[None, True, 1, 1.5, "it's", 'a"b\'c', {'k': 'v'}]"#);
         assert_eq!(PyValue::Str("x".into()).to_py_str(), "x");
         assert_eq!(PyValue::None.to_py_str(), "None");
     }

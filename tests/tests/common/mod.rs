@@ -23,14 +23,12 @@ pub fn load_golden(path: &Path) -> HashMap<String, Gold> {
     let mut out = HashMap::new();
     for (name, t) in st.tensors() {
         let (data, ids) = match t.dtype() {
-            safetensors::Dtype::F32 => (
-                t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-                vec![],
-            ),
-            safetensors::Dtype::I64 => (
-                vec![],
-                t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect(),
-            ),
+            safetensors::Dtype::F32 => {
+                (t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(), vec![])
+            }
+            safetensors::Dtype::I64 => {
+                (vec![], t.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32).collect())
+            }
             other => panic!("unexpected golden dtype {other:?} for {name}"),
         };
         out.insert(name, Gold { shape: t.shape().to_vec(), data, ids });

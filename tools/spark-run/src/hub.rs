@@ -118,8 +118,7 @@ impl RepoSpec {
 
 fn valid_id_part(s: &str) -> bool {
     (1..=96).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
         && !s.starts_with(['-', '.'])
         && !s.ends_with(['-', '.'])
         && !s.contains("--")
@@ -128,8 +127,7 @@ fn valid_id_part(s: &str) -> bool {
 
 fn valid_revision(s: &str) -> bool {
     (1..=255).contains(&s.len())
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
         && !s.starts_with('/')
         && !s.ends_with('/')
         && !s.split('/').any(|c| c.is_empty() || c == "." || c == "..")
@@ -150,12 +148,7 @@ fn env_nonempty(key: &str) -> Option<String> {
 }
 
 fn env_true(key: &str) -> bool {
-    env_nonempty(key).is_some_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "1" | "true" | "yes" | "on"
-        )
-    })
+    env_nonempty(key).is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
 }
 
 impl HubEnv {
@@ -174,16 +167,14 @@ impl HubEnv {
                 "cannot locate the Hugging Face cache: set HF_HOME or HF_HUB_CACHE, \
                  or pass a local directory with --model",
             )?;
-        let token = env_nonempty("HF_TOKEN")
-            .or_else(|| env_nonempty("HUGGING_FACE_HUB_TOKEN"))
-            .or_else(|| {
-                let path = env_nonempty("HF_TOKEN_PATH")
-                    .map(PathBuf::from)
-                    .or_else(|| hf_home.as_ref().map(|h| h.join("token")))?;
-                let t = std::fs::read_to_string(path).ok()?;
-                let t = t.trim();
-                (!t.is_empty()).then(|| t.to_string())
-            });
+        let token = env_nonempty("HF_TOKEN").or_else(|| env_nonempty("HUGGING_FACE_HUB_TOKEN")).or_else(|| {
+            let path = env_nonempty("HF_TOKEN_PATH")
+                .map(PathBuf::from)
+                .or_else(|| hf_home.as_ref().map(|h| h.join("token")))?;
+            let t = std::fs::read_to_string(path).ok()?;
+            let t = t.trim();
+            (!t.is_empty()).then(|| t.to_string())
+        });
         let endpoint = env_nonempty("HF_ENDPOINT")
             .map(|e| e.trim().trim_end_matches('/').to_string())
             .unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
@@ -223,11 +214,7 @@ fn resolve_repo(repo: &RepoSpec, env: &HubEnv) -> anyhow::Result<PathBuf> {
         anyhow::anyhow!(
             "could not download {repo} from the Hugging Face Hub ({reason:#}); \
              pass a local directory with --model, or check network access{}",
-            if env.endpoint != DEFAULT_ENDPOINT {
-                format!(" (HF_ENDPOINT={})", env.endpoint)
-            } else {
-                String::new()
-            }
+            if env.endpoint != DEFAULT_ENDPOINT { format!(" (HF_ENDPOINT={})", env.endpoint) } else { String::new() }
         )
     })
 }
@@ -251,17 +238,10 @@ fn cached_snapshot(repo: &RepoSpec, cache_dir: &Path) -> Option<PathBuf> {
 
 /// What `dir` lacks to be a usable model directory (empty when complete).
 fn missing_files(dir: &Path) -> Vec<String> {
-    let mut missing: Vec<String> = REQUIRED
-        .iter()
-        .filter(|f| !dir.join(f).is_file())
-        .map(|f| f.to_string())
-        .collect();
+    let mut missing: Vec<String> = REQUIRED.iter().filter(|f| !dir.join(f).is_file()).map(|f| f.to_string()).collect();
     let index = dir.join(WEIGHTS_INDEX);
     if index.is_file() {
-        match std::fs::read(&index)
-            .map_err(anyhow::Error::from)
-            .and_then(|b| shard_names(&b))
-        {
+        match std::fs::read(&index).map_err(anyhow::Error::from).and_then(|b| shard_names(&b)) {
             Ok(shards) => missing.extend(shards.into_iter().filter(|s| !dir.join(s).is_file())),
             Err(_) => missing.push(format!("{WEIGHTS_INDEX} (unreadable)")),
         }
@@ -274,17 +254,15 @@ fn missing_files(dir: &Path) -> Vec<String> {
 /// The shard files named by a `model.safetensors.index.json`'s `weight_map`, each a
 /// plain relative path inside the repo.
 fn shard_names(index_json: &[u8]) -> anyhow::Result<BTreeSet<String>> {
-    let v: serde_json::Value = serde_json::from_slice(index_json)
-        .with_context(|| format!("{WEIGHTS_INDEX} is not JSON"))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(index_json).with_context(|| format!("{WEIGHTS_INDEX} is not JSON"))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
         .with_context(|| format!("{WEIGHTS_INDEX} has no \"weight_map\" object"))?;
     let mut shards = BTreeSet::new();
     for file in map.values() {
-        let file = file
-            .as_str()
-            .with_context(|| format!("{WEIGHTS_INDEX}: a weight_map value is not a string"))?;
+        let file = file.as_str().with_context(|| format!("{WEIGHTS_INDEX}: a weight_map value is not a string"))?;
         if !valid_repo_file(file) {
             bail!("{WEIGHTS_INDEX} names an unsafe shard path: {file:?}");
         }
@@ -312,11 +290,7 @@ struct Bar {
 
 impl Bar {
     fn new(label: String, visible: bool) -> Self {
-        let bar = if visible {
-            indicatif::ProgressBar::new(0)
-        } else {
-            indicatif::ProgressBar::hidden()
-        };
+        let bar = if visible { indicatif::ProgressBar::new(0) } else { indicatif::ProgressBar::hidden() };
         let style = indicatif::ProgressStyle::with_template(
             "{msg} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} ({eta})",
         )
@@ -380,8 +354,7 @@ fn download(repo: &RepoSpec, env: &HubEnv) -> anyhow::Result<PathBuf> {
         .with_retries(3)
         .build()
         .map_err(|e| describe(e, "client setup"))?;
-    let hub_repo =
-        Repo::with_revision(repo.repo_id.clone(), RepoType::Model, repo.revision.clone());
+    let hub_repo = Repo::with_revision(repo.repo_id.clone(), RepoType::Model, repo.revision.clone());
     let api_repo = api.repo(hub_repo);
     let info = guarded("repo info", || api_repo.info())?;
     let listed: BTreeSet<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
@@ -395,12 +368,7 @@ fn download(repo: &RepoSpec, env: &HubEnv) -> anyhow::Result<PathBuf> {
         }
     }
     let mut files: Vec<String> = REQUIRED.iter().map(|f| f.to_string()).collect();
-    files.extend(
-        OPTIONAL
-            .iter()
-            .filter(|f| listed.contains(**f))
-            .map(|f| f.to_string()),
-    );
+    files.extend(OPTIONAL.iter().filter(|f| listed.contains(**f)).map(|f| f.to_string()));
     let sharded = listed.contains(WEIGHTS_INDEX);
     if sharded {
         files.push(WEIGHTS_INDEX.to_string());
@@ -410,23 +378,14 @@ fn download(repo: &RepoSpec, env: &HubEnv) -> anyhow::Result<PathBuf> {
         bail!("the repo has neither {SINGLE_WEIGHTS} nor {WEIGHTS_INDEX}");
     }
 
-    let snapshot = env
-        .cache_dir
-        .join(repo.cache_folder())
-        .join("snapshots")
-        .join(&info.sha);
+    let snapshot = env.cache_dir.join(repo.cache_folder()).join("snapshots").join(&info.sha);
     let announced = std::cell::Cell::new(false);
     let fetch = |file: &str, n: usize, total: usize| -> anyhow::Result<()> {
         if snapshot.join(file).is_file() {
             return Ok(());
         }
         if env.progress && !announced.replace(true) {
-            eprintln!(
-                "fetching {repo} (commit {}) from {} into {}",
-                &info.sha,
-                env.endpoint,
-                env.cache_dir.display()
-            );
+            eprintln!("fetching {repo} (commit {}) from {} into {}", &info.sha, env.endpoint, env.cache_dir.display());
         }
         let bar = Bar::new(format!("[{n}/{total}] {file}"), env.progress);
         let got = guarded(file, || api_repo.download_with_progress(file, bar))?;
@@ -463,25 +422,15 @@ fn download(repo: &RepoSpec, env: &HubEnv) -> anyhow::Result<PathBuf> {
     // Point the revision at this snapshot (hf-hub does it per downloaded file; do it
     // also when everything was already cached under that commit).
     if !repo.is_commit() {
-        let ref_path = env
-            .cache_dir
-            .join(repo.cache_folder())
-            .join("refs")
-            .join(&repo.revision);
+        let ref_path = env.cache_dir.join(repo.cache_folder()).join("refs").join(&repo.revision);
         if let Some(parent) = ref_path.parent() {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("creating {}", parent.display()))?;
+            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         }
-        std::fs::write(&ref_path, &info.sha)
-            .with_context(|| format!("writing {}", ref_path.display()))?;
+        std::fs::write(&ref_path, &info.sha).with_context(|| format!("writing {}", ref_path.display()))?;
     }
     let missing = missing_files(&snapshot);
     if !missing.is_empty() {
-        bail!(
-            "download incomplete, {} lacks: {}",
-            snapshot.display(),
-            missing.join(", ")
-        );
+        bail!("download incomplete, {} lacks: {}", snapshot.display(), missing.join(", "));
     }
     Ok(snapshot)
 }
@@ -495,13 +444,7 @@ mod tests {
     }
 
     fn env_for(cache: &Path, offline: bool, endpoint: &str) -> HubEnv {
-        HubEnv {
-            cache_dir: cache.to_path_buf(),
-            offline,
-            endpoint: endpoint.to_string(),
-            token: None,
-            progress: false,
-        }
+        HubEnv { cache_dir: cache.to_path_buf(), offline, endpoint: endpoint.to_string(), token: None, progress: false }
     }
 
     const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
@@ -531,26 +474,14 @@ mod tests {
     #[test]
     fn parses_repo_ids() {
         let main = |id: &str| Some((id.to_string(), "main".to_string()));
-        assert_eq!(
-            spec("XHToken/Spark-X2.5-1.7B"),
-            main("XHToken/Spark-X2.5-1.7B")
-        );
+        assert_eq!(spec("XHToken/Spark-X2.5-1.7B"), main("XHToken/Spark-X2.5-1.7B"));
         assert_eq!(spec("a/b_c.d-e"), main("a/b_c.d-e"));
-        assert_eq!(
-            spec("XHToken/Spark-X2.5-1.7B@v1.0"),
-            Some(("XHToken/Spark-X2.5-1.7B".into(), "v1.0".into()))
-        );
-        assert_eq!(
-            spec("o/n@refs/pr/1"),
-            Some(("o/n".into(), "refs/pr/1".into()))
-        );
+        assert_eq!(spec("XHToken/Spark-X2.5-1.7B@v1.0"), Some(("XHToken/Spark-X2.5-1.7B".into(), "v1.0".into())));
+        assert_eq!(spec("o/n@refs/pr/1"), Some(("o/n".into(), "refs/pr/1".into())));
         let r = RepoSpec::parse(&format!("o/n@{SHA}")).unwrap();
         assert!(r.is_commit());
         assert!(!RepoSpec::parse("o/n@main").unwrap().is_commit());
-        assert_eq!(
-            RepoSpec::parse("o/n").unwrap().cache_folder(),
-            "models--o--n"
-        );
+        assert_eq!(RepoSpec::parse("o/n").unwrap().cache_folder(), "models--o--n");
         assert_eq!(RepoSpec::parse("o/n@dev").unwrap().to_string(), "o/n@dev");
         assert_eq!(RepoSpec::parse("o/n").unwrap().to_string(), "o/n");
     }
@@ -602,12 +533,7 @@ mod tests {
 
     #[test]
     fn nonexistent_path_is_a_clear_error() {
-        for s in [
-            "/definitely/not/here/model",
-            "./no-such-model-dir",
-            "gpt2",
-            "",
-        ] {
+        for s in ["/definitely/not/here/model", "./no-such-model-dir", "gpt2", ""] {
             let e = resolve_model(s).unwrap_err().to_string();
             assert_eq!(e, format!("model path does not exist: {s}"));
         }
@@ -618,19 +544,13 @@ mod tests {
         let cache = tempfile::tempdir().unwrap();
         let snap = fake_cache(cache.path(), true);
         let repo = RepoSpec::parse("o/n").unwrap();
-        assert_eq!(
-            resolve_repo(&repo, &env_for(cache.path(), true, DEFAULT_ENDPOINT)).unwrap(),
-            snap
-        );
+        assert_eq!(resolve_repo(&repo, &env_for(cache.path(), true, DEFAULT_ENDPOINT)).unwrap(), snap);
         // Online but unreachable: the complete cache wins, no request is made.
         let env = env_for(cache.path(), false, "http://127.0.0.1:9");
         assert_eq!(resolve_repo(&repo, &env).unwrap(), snap);
         // A commit revision needs no ref.
         let by_sha = RepoSpec::parse(&format!("o/n@{SHA}")).unwrap();
-        assert_eq!(
-            resolve_repo(&by_sha, &env_for(cache.path(), true, DEFAULT_ENDPOINT)).unwrap(),
-            snap
-        );
+        assert_eq!(resolve_repo(&by_sha, &env_for(cache.path(), true, DEFAULT_ENDPOINT)).unwrap(), snap);
     }
 
     #[test]
@@ -640,19 +560,14 @@ mod tests {
         std::fs::remove_file(snap.join("model-2.safetensors")).unwrap();
         std::fs::remove_file(snap.join("tokenizer.json")).unwrap();
         let repo = RepoSpec::parse("o/n").unwrap();
-        let e = resolve_repo(&repo, &env_for(cache.path(), true, DEFAULT_ENDPOINT))
-            .unwrap_err()
-            .to_string();
+        let e = resolve_repo(&repo, &env_for(cache.path(), true, DEFAULT_ENDPOINT)).unwrap_err().to_string();
         assert!(e.contains("HF_HUB_OFFLINE"), "{e}");
         assert!(e.contains("tokenizer.json, model-2.safetensors"), "{e}");
         assert!(e.contains("--model"), "{e}");
         // Single-file weights.
         std::fs::remove_file(snap.join(WEIGHTS_INDEX)).unwrap();
         std::fs::write(snap.join("tokenizer.json"), "{}").unwrap();
-        assert_eq!(
-            missing_files(&snap),
-            vec!["model.safetensors (or model.safetensors.index.json)"]
-        );
+        assert_eq!(missing_files(&snap), vec!["model.safetensors (or model.safetensors.index.json)"]);
         std::fs::write(snap.join(SINGLE_WEIGHTS), "x").unwrap();
         assert!(missing_files(&snap).is_empty());
     }
@@ -664,26 +579,15 @@ mod tests {
         // Port 9 on localhost: refused at once, no outside network involved.
         let env = env_for(cache.path(), false, "http://127.0.0.1:9");
         let e = resolve_repo(&repo, &env).unwrap_err().to_string();
-        assert!(
-            e.starts_with("could not download XHToken/Spark-X2.5-1.7B from the Hugging Face Hub ("),
-            "{e}"
-        );
-        assert!(
-            e.contains("pass a local directory with --model, or check network access"),
-            "{e}"
-        );
+        assert!(e.starts_with("could not download XHToken/Spark-X2.5-1.7B from the Hugging Face Hub ("), "{e}");
+        assert!(e.contains("pass a local directory with --model, or check network access"), "{e}");
     }
 
     #[test]
     fn shard_index_is_validated() {
-        let names = shard_names(
-            br#"{"weight_map":{"x":"a.safetensors","y":"b.safetensors","z":"a.safetensors"}}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            names.into_iter().collect::<Vec<_>>(),
-            vec!["a.safetensors", "b.safetensors"]
-        );
+        let names =
+            shard_names(br#"{"weight_map":{"x":"a.safetensors","y":"b.safetensors","z":"a.safetensors"}}"#).unwrap();
+        assert_eq!(names.into_iter().collect::<Vec<_>>(), vec!["a.safetensors", "b.safetensors"]);
         for bad in [
             &br#"{"weight_map":{"x":"../evil.safetensors"}}"#[..],
             br#"{"weight_map":{"x":"/etc/passwd"}}"#,
@@ -706,15 +610,10 @@ mod tests {
         std::env::set_var("HF_HOME", home.path());
         std::env::remove_var("HF_HUB_CACHE");
         std::env::remove_var("HUGGINGFACE_HUB_CACHE");
-        let e = resolve_model("XHToken/Spark-X2.5-1.7B")
-            .unwrap_err()
-            .to_string();
+        let e = resolve_model("XHToken/Spark-X2.5-1.7B").unwrap_err().to_string();
         assert!(e.contains("HF_HUB_OFFLINE is set"), "{e}");
         assert!(e.contains("XHToken/Spark-X2.5-1.7B"), "{e}");
-        assert!(
-            e.contains(&home.path().join("hub").display().to_string()),
-            "{e}"
-        );
+        assert!(e.contains(&home.path().join("hub").display().to_string()), "{e}");
         assert!(e.contains("pass a local directory with --model"), "{e}");
     }
 }

@@ -82,12 +82,12 @@ pub fn tokenizer(dir: &Path) -> Result<Tokenizer> {
     if !p.exists() {
         anyhow::bail!("{} has no tokenizer.json: give token ids with --ids and use --print-ids", dir.display());
     }
-    Ok(Tokenizer::from_file(&p)?)
+    Tokenizer::from_file(&p)
 }
 
 /// The checkpoint's chat template, or the built-in Spark-X2.5 one.
 pub fn chat_template(dir: &Path) -> Result<ChatTemplate> {
-    Ok(ChatTemplate::for_model_dir(dir)?)
+    ChatTemplate::for_model_dir(dir)
 }
 
 /// Parse `--ids 0,17,5`.

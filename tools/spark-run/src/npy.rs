@@ -7,7 +7,11 @@ use anyhow::{Context, Result};
 
 /// Write `data` with `shape` as a float32 `.npy` file.
 pub fn write_f32(path: &Path, shape: &[usize], data: &[f32]) -> Result<()> {
-    anyhow::ensure!(shape.iter().product::<usize>() == data.len(), "npy: shape {shape:?} does not match {} values", data.len());
+    anyhow::ensure!(
+        shape.iter().product::<usize>() == data.len(),
+        "npy: shape {shape:?} does not match {} values",
+        data.len()
+    );
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
     let shape_str = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
     let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_str}, }}");
@@ -35,7 +39,8 @@ pub fn read_f32(path: &Path) -> Result<(Vec<usize>, Vec<f32>)> {
     let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
     let header = std::str::from_utf8(&b[10..10 + hl])?;
     let s = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).unwrap_or("");
-    let shape = s.split(',').filter(|x| !x.trim().is_empty()).map(|x| x.trim().parse()).collect::<Result<Vec<usize>, _>>()?;
+    let shape =
+        s.split(',').filter(|x| !x.trim().is_empty()).map(|x| x.trim().parse()).collect::<Result<Vec<usize>, _>>()?;
     let data = b[10 + hl..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     Ok((shape, data))
 }

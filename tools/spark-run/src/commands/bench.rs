@@ -47,7 +47,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut logits = vec![0.0f32; cfg.vocab];
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     // Bytes of weights one decode step reads: every matrix once, plus the output head.
-    let per_layer = cfg.qkv_dim() * cfg.hidden + cfg.n_heads * cfg.hidden + cfg.hidden * cfg.q_dim() + 3 * cfg.intermediate * cfg.hidden;
+    let per_layer = cfg.qkv_dim() * cfg.hidden
+        + cfg.n_heads * cfg.hidden
+        + cfg.hidden * cfg.q_dim()
+        + 3 * cfg.intermediate * cfg.hidden;
     let bytes_per_token = ((per_layer * cfg.n_layers + cfg.vocab * cfg.hidden) * info.dtype.size()) as f64;
     let mut rows = vec![];
     let mut seq = 100u64;
@@ -57,7 +60,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let ids: Vec<u32> = (0..a.prompt).map(|_| tok()).collect();
             seq += 1;
             let t = Instant::now();
-            l.exec.forward(&[SeqStep { seq_id: seq, tokens: &ids, start_pos: 0, logits: LogitsMode::Last }], &mut logits)?;
+            l.exec.forward(
+                &[SeqStep { seq_id: seq, tokens: &ids, start_pos: 0, logits: LogitsMode::Last }],
+                &mut logits,
+            )?;
             v.push(a.prompt as f64 / t.elapsed().as_secs_f64());
             l.exec.release(seq);
         }
@@ -68,11 +74,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
         for _ in 0..a.reps {
             seq += 1;
             let first = [tok()];
-            l.exec.forward(&[SeqStep { seq_id: seq, tokens: &first, start_pos: 0, logits: LogitsMode::Last }], &mut logits)?;
+            l.exec.forward(
+                &[SeqStep { seq_id: seq, tokens: &first, start_pos: 0, logits: LogitsMode::Last }],
+                &mut logits,
+            )?;
             let t = Instant::now();
             for i in 0..a.n_gen {
                 let id = [tok()];
-                l.exec.forward(&[SeqStep { seq_id: seq, tokens: &id, start_pos: (i + 1) as u32, logits: LogitsMode::Last }], &mut logits)?;
+                l.exec.forward(
+                    &[SeqStep { seq_id: seq, tokens: &id, start_pos: (i + 1) as u32, logits: LogitsMode::Last }],
+                    &mut logits,
+                )?;
             }
             v.push(a.n_gen as f64 / t.elapsed().as_secs_f64());
             l.exec.release(seq);
@@ -92,7 +104,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("| --- | --- | --- | ---: | --- | ---: | ---: |");
         for (test, (m, sd), bpt) in &rows {
             let bw = bpt.map(|b| format!("{:.1}", b * m / 1e9)).unwrap_or_else(|| "-".into());
-            println!("| {model_name} | {} ({}) | {} | {} | {test} | {m:.2} ± {sd:.2} | {bw} |", info.backend, l.simd, info.dtype, l.threads);
+            println!(
+                "| {model_name} | {} ({}) | {} | {} | {test} | {m:.2} ± {sd:.2} | {bw} |",
+                info.backend, l.simd, info.dtype, l.threads
+            );
         }
     }
     Ok(())

@@ -59,7 +59,11 @@ pub fn run(a: ChatArgs) -> Result<()> {
 
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
-    eprintln!("spark chat — {} (thinking {}). /reset, /think on|off, /exit. Ctrl-D quits.", dir.display(), if think { "on" } else { "off" });
+    eprintln!(
+        "spark chat — {} (thinking {}). /reset, /think on|off, /exit. Ctrl-D quits.",
+        dir.display(),
+        if think { "on" } else { "off" }
+    );
     loop {
         write!(out, "\n> ")?;
         out.flush()?;
@@ -115,11 +119,15 @@ pub fn run(a: ChatArgs) -> Result<()> {
                 in_reasoning = false;
                 let _ = dec.flush();
                 if !hide {
-                    let _ = write!(out, "{RESET}\n");
+                    let _ = writeln!(out, "{RESET}");
                 }
                 return true;
             }
-            if in_reasoning { reasoning_ids.push(id) } else { content_ids.push(id) }
+            if in_reasoning {
+                reasoning_ids.push(id)
+            } else {
+                content_ids.push(id)
+            }
             if let Ok(Some(t)) = dec.step(id) {
                 if !(in_reasoning && hide) {
                     let _ = write!(out, "{t}");

@@ -42,7 +42,8 @@ fn config(shape: Shape, dtype: DType) -> serde_json::Value {
         Shape::Tiny => (128, 384, 8, 4, 2, 4096, 16),
     };
     let head_dim = if matches!(shape, Shape::Tiny) { 64 } else { 256 };
-    let layer_types: Vec<&str> = (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "sliding_attention" }).collect();
+    let layer_types: Vec<&str> =
+        (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "sliding_attention" }).collect();
     json!({
         "architectures": ["Spark2_5ForCausalLM"],
         "model_type": "spark2_5",
@@ -106,7 +107,10 @@ pub fn run(a: GenRandomArgs) -> Result<()> {
         header.insert(name.clone(), json!({"dtype": if dtype == DType::BF16 { "BF16" } else { "F32" }, "shape": shape, "data_offsets": [off, off + bytes]}));
         off += bytes;
     }
-    header.insert("__metadata__".into(), json!({"format": "pt", "generator": "spark-run gen-random", "seed": a.seed.to_string()}));
+    header.insert(
+        "__metadata__".into(),
+        json!({"format": "pt", "generator": "spark-run gen-random", "seed": a.seed.to_string()}),
+    );
     let mut h = serde_json::to_string(&header)?.into_bytes();
     while h.len() % 8 != 0 {
         h.push(b' ');
@@ -117,7 +121,10 @@ pub fn run(a: GenRandomArgs) -> Result<()> {
     w.write_all(&(h.len() as u64).to_le_bytes())?;
     w.write_all(&h)?;
     let bar = indicatif::ProgressBar::new(off as u64);
-    bar.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     bar.set_message("writing random weights");
     for (ti, (name, shape)) in tensors.iter().enumerate() {
         let n: usize = shape.iter().product();
@@ -126,7 +133,10 @@ pub fn run(a: GenRandomArgs) -> Result<()> {
             .into_par_iter()
             .map(|b| {
                 let len = BLOCK.min(n - b * BLOCK);
-                let vals: Vec<f32> = normals(a.seed, ti, b, len).into_iter().map(|r| if norm { 1.0 + 0.1 * r } else { 0.02 * r }).collect();
+                let vals: Vec<f32> = normals(a.seed, ti, b, len)
+                    .into_iter()
+                    .map(|r| if norm { 1.0 + 0.1 * r } else { 0.02 * r })
+                    .collect();
                 spark_core::dtype::encode(dtype, &vals)
             })
             .collect();

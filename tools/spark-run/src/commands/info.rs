@@ -36,7 +36,10 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let n_s = cfg.count_layers(LayerType::Sliding);
     let n_f = cfg.count_layers(LayerType::Full);
     println!("model       {}", dir.display());
-    println!("shape       hidden {}, intermediate {}, {} layers ({} sliding + {} full), heads {} / kv {} x {}", cfg.hidden, cfg.intermediate, cfg.n_layers, n_s, n_f, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    println!(
+        "shape       hidden {}, intermediate {}, {} layers ({} sliding + {} full), heads {} / kv {} x {}",
+        cfg.hidden, cfg.intermediate, cfg.n_layers, n_s, n_f, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    );
     println!("vocab       {}   tied embeddings: {}", cfg.vocab, cfg.tie_embeddings);
     println!("window      {} (sliding layers)", cfg.sliding_window);
     for t in [LayerType::Sliding, LayerType::Full] {
@@ -57,7 +60,11 @@ pub fn run(a: InfoArgs) -> Result<()> {
         let s = KvSpec::for_layer(&cfg, t, ctx, kv_dtype);
         let per = s.bytes_per_position();
         let held = match t {
-            LayerType::Sliding => format!("ring of {} positions: at most {} per layer", s.held(usize::MAX), mib((s.held(usize::MAX) * per) as f64)),
+            LayerType::Sliding => format!(
+                "ring of {} positions: at most {} per layer",
+                s.held(usize::MAX),
+                mib((s.held(usize::MAX) * per) as f64)
+            ),
             LayerType::Full => format!("grows: {} per layer at {ctx} tokens", mib((ctx * per) as f64)),
         };
         println!("  KV {:<18} {} B/token/layer ({kv_dtype}); {held}", t.name(), per);
