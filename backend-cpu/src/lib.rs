@@ -9,10 +9,12 @@
 //! - [`attention`]: attention over the KV cache (ring for sliding layers, growing for full).
 //! - [`ops`]: RMSNorm, RoPE, head gate, GEGLU, residual add.
 //! - [`weights`]: how uploaded weights are held.
+//! - [`plugin`]: the backend as a factory, exported as the `spark_backend_v1` plugin entry.
 
 pub mod attention;
 pub mod kernels;
 pub mod ops;
+pub mod plugin;
 pub mod weights;
 
 use rayon::prelude::*;

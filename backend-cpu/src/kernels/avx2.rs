@@ -116,3 +116,158 @@ pub unsafe fn tile<const R: usize, const T: usize>(x: &[&[f32]; T], w: &[Row<'_>
         }
     }
 }
+
+/// Weight element types the monomorphic kernels below read.
+pub trait Elem: Copy + Send + Sync {
+    /// Load 8 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// `p..p+8` must be readable; the CPU must support AVX2 and F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+    fn to_f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// bf16 bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+/// f16 bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+impl Elem for Bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const Bf16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::from_bits(self.0).to_f32()
+    }
+}
+
+impl Elem for F16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const F16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::from_bits(self.0).to_f32()
+    }
+}
+
+/// GEMV rows `r0..r1`: `out[r - r0] = x . w[r]`, four rows at a time with two accumulators
+/// each, every weight element read once (decode is bound by this stream).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` holds at least `r1 * k` elements,
+/// `x.len() == k`, `out.len() >= r1 - r0`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, out: &mut [f32]) {
+    let xp = x.as_ptr();
+    let wp = w.as_ptr();
+    let body = k - k % 16;
+    let mut r = r0;
+    while r + 4 <= r1 {
+        let rows = [wp.add(r * k), wp.add((r + 1) * k), wp.add((r + 2) * k), wp.add((r + 3) * k)];
+        let mut a = [_mm256_setzero_ps(); 8];
+        let mut i = 0;
+        while i < body {
+            let x0 = _mm256_loadu_ps(xp.add(i));
+            let x1 = _mm256_loadu_ps(xp.add(i + 8));
+            for (j, rp) in rows.iter().enumerate() {
+                a[2 * j] = _mm256_fmadd_ps(x0, E::load8(rp.add(i)), a[2 * j]);
+                a[2 * j + 1] = _mm256_fmadd_ps(x1, E::load8(rp.add(i + 8)), a[2 * j + 1]);
+            }
+            i += 16;
+        }
+        for j in 0..4 {
+            let mut s = hsum(_mm256_add_ps(a[2 * j], a[2 * j + 1]));
+            for t in body..k {
+                s += x[t] * (*rows[j].add(t)).to_f32();
+            }
+            out[r - r0 + j] = s;
+        }
+        r += 4;
+    }
+    while r < r1 {
+        let rp = wp.add(r * k);
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < body {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(i)), E::load8(rp.add(i)), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(i + 8)), E::load8(rp.add(i + 8)), a1);
+            i += 16;
+        }
+        let mut s = hsum(_mm256_add_ps(a0, a1));
+        for t in body..k {
+            s += x[t] * (*rp.add(t)).to_f32();
+        }
+        out[r - r0] = s;
+        r += 1;
+    }
+}
+
+/// Rows of a packed panel: 16 weight rows interleaved as `[k][16]` f32.
+pub const PANEL: usize = 16;
+
+/// Pack rows `r0..r0+16` of `w` (`[m, k]`) into `panel` as `[k][16]` f32, zero rows past `m`.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; `panel.len() >= k * 16`; `w.len() >= m * k`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn pack_panel<E: Elem>(w: &[E], k: usize, m: usize, r0: usize, panel: &mut [f32]) {
+    for (j, r) in (r0..r0 + PANEL).enumerate() {
+        if r < m {
+            let row = &w[r * k..(r + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                *panel.get_unchecked_mut(kk * PANEL + j) = v.to_f32();
+            }
+        } else {
+            for kk in 0..k {
+                *panel.get_unchecked_mut(kk * PANEL + j) = 0.0;
+            }
+        }
+    }
+}
+
+/// The prefill micro-kernel: `T` tokens x 16 packed rows, broadcasting each activation and
+/// accumulating outer products (2 FMAs per broadcast, 12 accumulators at T = 6).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; each `x[t]` has `k` readable elements;
+/// `panel.len() >= k * 16`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn panel_kernel<const T: usize>(x: &[*const f32; T], panel: &[f32], k: usize, out: &mut [[f32; PANEL]; T]) {
+    let mut a0 = [_mm256_setzero_ps(); T];
+    let mut a1 = [_mm256_setzero_ps(); T];
+    let pp = panel.as_ptr();
+    for kk in 0..k {
+        let w0 = _mm256_loadu_ps(pp.add(kk * PANEL));
+        let w1 = _mm256_loadu_ps(pp.add(kk * PANEL + 8));
+        for t in 0..T {
+            let xb = _mm256_broadcast_ss(&*x[t].add(kk));
+            a0[t] = _mm256_fmadd_ps(xb, w0, a0[t]);
+            a1[t] = _mm256_fmadd_ps(xb, w1, a1[t]);
+        }
+    }
+    for t in 0..T {
+        _mm256_storeu_ps(out[t].as_mut_ptr(), a0[t]);
+        _mm256_storeu_ps(out[t].as_mut_ptr().add(8), a1[t]);
+    }
+}

@@ -1,14 +1,18 @@
 //! `out = x W^T` for activations `x` `[n, k]` (f32) and a weight `W` `[m, k]` stored as f32,
 //! bf16 or f16, accumulating in f32.
 //!
-//! Work is split over weight-row chunks across the thread pool; inside a chunk, tokens are taken
-//! in blocks that stay in cache, and the AVX2 path computes 4-row x 3-token tiles so each weight
-//! element is loaded and converted once per three tokens. Decode (n = 1) is a GEMV that streams
-//! the weights once.
+//! Work is split over weight-row chunks across the thread pool.
+//! - Decode (n < 4) is a GEMV that streams each weight row once ([`avx2::gemv`]).
+//! - Prefill (n >= 4) packs 16 weight rows at a time into an f32 panel `[k][16]` (converting
+//!   bf16/f16 once per panel and token block) and runs a broadcast outer-product micro-kernel
+//!   over 6 tokens x 16 rows ([`avx2::panel_kernel`]); token blocks keep the activations in L2.
+//! - The portable path computes plain dot products.
 
 use rayon::prelude::*;
 use spark_core::DType;
 
+#[cfg(target_arch = "x86_64")]
+use super::avx2::{self, Bf16, Elem, F16, PANEL};
 use super::{dot, Row, Simd};
 
 /// A weight matrix viewed as rows.
@@ -39,12 +43,20 @@ unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
 impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
+    /// Write `v` at `out[t * m + r]`.
+    ///
+    /// # Safety
+    /// The cell must be inside the buffer and written by no other thread.
+    #[inline]
+    unsafe fn put(self, idx: usize, v: f32) {
+        *self.0.add(idx) = v;
     }
 }
 
-const TOKEN_BLOCK: usize = 48;
+/// Tokens per block of the prefill path (their activations stay in L2).
+const TOKEN_BLOCK: usize = 96;
+/// Tokens per micro-kernel call.
+const MR: usize = 6;
 
 /// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])`.
 #[allow(clippy::too_many_arguments)]
@@ -52,77 +64,85 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
     assert_eq!(x.len(), n * k, "matmul: x has the wrong size");
     assert_eq!(out.len(), n * m, "matmul: out has the wrong size");
     let threads = rayon::current_num_threads().max(1);
-    // Enough chunks to balance the threads, each a multiple of 4 rows.
-    let chunk = (m.div_ceil(threads * 4)).div_ceil(4).max(1) * 4;
+    // Enough chunks to balance the threads, each a multiple of 16 rows.
+    let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
     let outp = SharedOut(out.as_mut_ptr());
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let r0 = c * chunk;
         let r1 = (r0 + chunk).min(m);
-        let put = |t: usize, r: usize, v: f32| {
-            // SAFETY: t < n and r < m, so the cell is inside `out`; each (t, r) is written by
-            // exactly one thread because weight-row ranges [r0, r1) are disjoint per chunk.
-            unsafe { *outp.get().add(t * m + r) = round.round(v) };
-        };
-        for t0 in (0..n).step_by(TOKEN_BLOCK) {
-            let t1 = (t0 + TOKEN_BLOCK).min(n);
-            chunk_rows(simd, x, k, w, r0, r1, t0, t1, &put);
+        #[cfg(target_arch = "x86_64")]
+        if simd == Simd::Avx2 {
+            match w {
+                Mat::F32(d) => avx2_rows(x, n, k, d, m, r0, r1, outp, round),
+                // SAFETY: Bf16 and F16 are repr(transparent) over u16.
+                Mat::BF16(d) => {
+                    avx2_rows(x, n, k, unsafe { &*(d as *const [u16] as *const [Bf16]) }, m, r0, r1, outp, round)
+                }
+                // SAFETY: as above.
+                Mat::F16(d) => {
+                    avx2_rows(x, n, k, unsafe { &*(d as *const [u16] as *const [F16]) }, m, r0, r1, outp, round)
+                }
+            }
+            return;
+        }
+        for r in r0..r1 {
+            let wr = w.row(r, k);
+            for t in 0..n {
+                // SAFETY: t < n, r < m; rows [r0, r1) belong to this task only.
+                unsafe { outp.put(t * m + r, round.round(dot(simd, &x[t * k..(t + 1) * k], wr))) };
+            }
         }
     });
 }
 
+#[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-fn chunk_rows(
-    simd: Simd,
+fn avx2_rows<E: Elem>(
     x: &[f32],
+    n: usize,
     k: usize,
-    w: Mat<'_>,
+    w: &[E],
+    m: usize,
     r0: usize,
     r1: usize,
-    t0: usize,
-    t1: usize,
-    put: &dyn Fn(usize, usize, f32),
+    outp: SharedOut,
+    round: DType,
 ) {
-    let xrow = |t: usize| &x[t * k..(t + 1) * k];
-    #[cfg(target_arch = "x86_64")]
-    if simd == Simd::Avx2 {
-        let mut r = r0;
-        while r + 4 <= r1 {
-            let rows = [w.row(r, k), w.row(r + 1, k), w.row(r + 2, k), w.row(r + 3, k)];
-            let mut t = t0;
-            while t + 3 <= t1 {
-                let mut acc = [[0.0f32; 3]; 4];
-                // SAFETY: Simd::Avx2 was detected; all rows and tokens have length k.
-                unsafe { super::avx2::tile::<4, 3>(&[xrow(t), xrow(t + 1), xrow(t + 2)], &rows, &mut acc) };
-                for (ri, a) in acc.iter().enumerate() {
-                    for (ti, &v) in a.iter().enumerate() {
-                        put(t + ti, r + ri, v);
-                    }
-                }
-                t += 3;
-            }
-            while t < t1 {
-                let mut acc = [[0.0f32; 1]; 4];
-                // SAFETY: as above.
-                unsafe { super::avx2::tile::<4, 1>(&[xrow(t)], &rows, &mut acc) };
-                for (ri, a) in acc.iter().enumerate() {
-                    put(t, r + ri, a[0]);
-                }
-                t += 1;
-            }
-            r += 4;
-        }
-        for r in r..r1 {
-            let wr = w.row(r, k);
-            for t in t0..t1 {
-                put(t, r, dot(simd, xrow(t), wr));
+    if n < 4 {
+        let mut tmp = vec![0.0f32; r1 - r0];
+        for t in 0..n {
+            // SAFETY: Simd::Avx2 was detected; w holds m >= r1 rows of k; tmp holds r1 - r0.
+            unsafe { avx2::gemv(&x[t * k..(t + 1) * k], w, k, r0, r1, &mut tmp) };
+            for (j, &v) in tmp.iter().enumerate() {
+                // SAFETY: t < n, r0 + j < r1 <= m; rows [r0, r1) belong to this task only.
+                unsafe { outp.put(t * m + r0 + j, round.round(v)) };
             }
         }
         return;
     }
-    for r in r0..r1 {
-        let wr = w.row(r, k);
-        for t in t0..t1 {
-            put(t, r, dot(simd, xrow(t), wr));
+    let mut panel = vec![0.0f32; k * PANEL];
+    let mut acc = [[0.0f32; PANEL]; MR];
+    for t0 in (0..n).step_by(TOKEN_BLOCK) {
+        let t1 = (t0 + TOKEN_BLOCK).min(n);
+        for p0 in (r0..r1).step_by(PANEL) {
+            // SAFETY: Simd::Avx2 was detected; panel holds k * 16; w holds m * k.
+            unsafe { avx2::pack_panel(w, k, m, p0, &mut panel) };
+            let rows = PANEL.min(r1 - p0);
+            let mut t = t0;
+            while t < t1 {
+                let tb = MR.min(t1 - t);
+                let xp = |i: usize| x[(t + i.min(tb - 1)) * k..].as_ptr();
+                // SAFETY: Simd::Avx2 was detected; every pointer is the start of a k-long row of
+                // x (rows past tb repeat the last one and their results are discarded).
+                unsafe { avx2::panel_kernel::<MR>(&[xp(0), xp(1), xp(2), xp(3), xp(4), xp(5)], &panel, k, &mut acc) };
+                for (i, a) in acc.iter().enumerate().take(tb) {
+                    for (j, &v) in a.iter().enumerate().take(rows) {
+                        // SAFETY: t + i < n, p0 + j < r1 <= m; rows [r0, r1) belong to this task.
+                        unsafe { outp.put((t + i) * m + p0 + j, round.round(v)) };
+                    }
+                }
+                t += tb;
+            }
         }
     }
 }
