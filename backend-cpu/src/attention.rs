@@ -107,6 +107,18 @@ impl CpuKv {
                 ));
             }
         }
+        if let KvKind::Grow { max } = self.spec.kind {
+            // Grow in blocks of 256 positions (capped at the context), not by doubling, so the
+            // bytes held stay within one block of what is used.
+            let want = end.div_ceil(256).saturating_mul(256).min(max) * kvd;
+            for store in [&mut self.k, &mut self.v] {
+                match store {
+                    Store::F32(s) if s.capacity() < want => s.reserve_exact(want - s.len()),
+                    Store::BF16(s) if s.capacity() < want => s.reserve_exact(want - s.len()),
+                    _ => {}
+                }
+            }
+        }
         let first = match self.spec.kind {
             KvKind::Ring { window } => end.saturating_sub(window).max(chunk.start_pos),
             KvKind::Grow { .. } => chunk.start_pos,
