@@ -58,10 +58,10 @@ impl CpuBackend {
     }
 
     /// As [`CpuBackend::new`], with a given SIMD level (tests compare the portable and AVX2
-    /// paths; asking for AVX2 on a processor without it gives the portable path).
+    /// paths; the level is capped at what the processor has).
     pub fn with_simd(threads: Option<usize>, simd: Simd) -> Result<Self> {
         let mut b = Self::new(threads)?;
-        b.simd = if simd == Simd::Avx2 && Simd::detect() != Simd::Avx2 { Simd::Portable } else { simd };
+        b.simd = simd.min(Simd::detect());
         Ok(b)
     }
 

@@ -23,6 +23,7 @@ pub fn score(simd: Simd) -> i32 {
     match simd {
         Simd::Portable => 10,
         Simd::Avx2 => 20,
+        Simd::Avx512 => 30,
     }
 }
 

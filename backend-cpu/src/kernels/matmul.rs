@@ -55,8 +55,10 @@ impl SharedOut {
 
 /// Tokens per block of the prefill path (their activations stay in L2).
 const TOKEN_BLOCK: usize = 96;
-/// Tokens per micro-kernel call.
+/// Tokens per AVX2 micro-kernel call.
 const MR: usize = 6;
+/// Tokens per AVX-512 micro-kernel call.
+const MR_512: usize = super::avx512::MR;
 
 /// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])`.
 #[allow(clippy::too_many_arguments)]
@@ -71,16 +73,17 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
         let r0 = c * chunk;
         let r1 = (r0 + chunk).min(m);
         #[cfg(target_arch = "x86_64")]
-        if simd == Simd::Avx2 {
+        if simd != Simd::Portable {
+            let wide = simd == Simd::Avx512;
             match w {
-                Mat::F32(d) => avx2_rows(x, n, k, d, m, r0, r1, outp, round),
+                Mat::F32(d) => avx2_rows(x, n, k, d, m, r0, r1, outp, round, wide),
                 // SAFETY: Bf16 and F16 are repr(transparent) over u16.
                 Mat::BF16(d) => {
-                    avx2_rows(x, n, k, unsafe { &*(d as *const [u16] as *const [Bf16]) }, m, r0, r1, outp, round)
+                    avx2_rows(x, n, k, unsafe { &*(d as *const [u16] as *const [Bf16]) }, m, r0, r1, outp, round, wide)
                 }
                 // SAFETY: as above.
                 Mat::F16(d) => {
-                    avx2_rows(x, n, k, unsafe { &*(d as *const [u16] as *const [F16]) }, m, r0, r1, outp, round)
+                    avx2_rows(x, n, k, unsafe { &*(d as *const [u16] as *const [F16]) }, m, r0, r1, outp, round, wide)
                 }
             }
             return;
@@ -107,6 +110,7 @@ fn avx2_rows<E: Elem>(
     r1: usize,
     outp: SharedOut,
     round: DType,
+    avx512: bool,
 ) {
     if n < 4 {
         let mut tmp = vec![0.0f32; r1 - r0];
@@ -121,7 +125,7 @@ fn avx2_rows<E: Elem>(
         return;
     }
     let mut panel = vec![0.0f32; k * PANEL];
-    let mut acc = [[0.0f32; PANEL]; MR];
+    let mut acc = [[0.0f32; PANEL]; MR_512];
     for t0 in (0..n).step_by(TOKEN_BLOCK) {
         let t1 = (t0 + TOKEN_BLOCK).min(n);
         for p0 in (r0..r1).step_by(PANEL) {
@@ -129,12 +133,22 @@ fn avx2_rows<E: Elem>(
             unsafe { avx2::pack_panel(w, k, m, p0, &mut panel) };
             let rows = PANEL.min(r1 - p0);
             let mut t = t0;
+            let mr = if avx512 { MR_512 } else { MR };
             while t < t1 {
-                let tb = MR.min(t1 - t);
+                let tb = mr.min(t1 - t);
                 let xp = |i: usize| x[(t + i.min(tb - 1)) * k..].as_ptr();
-                // SAFETY: Simd::Avx2 was detected; every pointer is the start of a k-long row of
-                // x (rows past tb repeat the last one and their results are discarded).
-                unsafe { avx2::panel_kernel::<MR>(&[xp(0), xp(1), xp(2), xp(3), xp(4), xp(5)], &panel, k, &mut acc) };
+                let ptrs: [*const f32; MR_512] = std::array::from_fn(xp);
+                if avx512 {
+                    // SAFETY: Simd::Avx512 was detected; every pointer is the start of a k-long
+                    // row of x (rows past tb repeat the last one; their results are discarded).
+                    unsafe { super::avx512::panel_kernel::<MR_512>(&ptrs, &panel, k, &mut acc) };
+                } else {
+                    let (head, _) = acc.split_at_mut(MR);
+                    let head: &mut [[f32; PANEL]; MR] = head.try_into().expect("MR rows");
+                    let p6: &[*const f32; MR] = ptrs[..MR].try_into().expect("MR pointers");
+                    // SAFETY: Simd::Avx2 was detected; pointers as above.
+                    unsafe { avx2::panel_kernel::<MR>(p6, &panel, k, head) };
+                }
                 for (i, a) in acc.iter().enumerate().take(tb) {
                     for (j, &v) in a.iter().enumerate().take(rows) {
                         // SAFETY: t + i < n, p0 + j < r1 <= m; rows [r0, r1) belong to this task.

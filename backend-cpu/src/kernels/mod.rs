@@ -1,28 +1,34 @@
 //! CPU kernels: SIMD selection at run time, and the dot products every op is built from.
 //!
-//! [`Simd::detect`] picks AVX2+FMA(+F16C) when the processor has it, else the portable path.
-//! `SPARK_CPU_SIMD=portable` forces the portable path (tests compare the two).
+//! [`Simd::detect`] picks AVX-512F or AVX2+FMA(+F16C) when the processor has them, else the
+//! portable path.
+//! `SPARK_CPU_SIMD=portable` or `=avx2` caps the level (tests compare the paths). AVX-512F only
+//! changes the prefill micro-kernel; everything else runs the AVX2 code.
 
 pub mod avx2;
+pub mod avx512;
 pub mod matmul;
 pub mod portable;
 
 use std::sync::OnceLock;
 
-/// The instruction set a kernel uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The instruction set a kernel uses, in increasing order of capability.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Simd {
     Portable,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 + FMA + F16C + AVX-512F (prefill micro-kernel on 16-float vectors).
+    Avx512,
 }
 
 impl Simd {
-    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable`.
+    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable|avx2`.
     pub fn detect() -> Simd {
         static S: OnceLock<Simd> = OnceLock::new();
         *S.get_or_init(|| {
-            if std::env::var("SPARK_CPU_SIMD").is_ok_and(|v| v == "portable") {
+            let cap = std::env::var("SPARK_CPU_SIMD").unwrap_or_default();
+            if cap == "portable" {
                 return Simd::Portable;
             }
             #[cfg(target_arch = "x86_64")]
@@ -31,6 +37,9 @@ impl Simd {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
                 {
+                    if cap != "avx2" && is_x86_feature_detected!("avx512f") {
+                        return Simd::Avx512;
+                    }
                     return Simd::Avx2;
                 }
             }
@@ -42,6 +51,7 @@ impl Simd {
         match self {
             Simd::Portable => "portable",
             Simd::Avx2 => "avx2+fma",
+            Simd::Avx512 => "avx512f",
         }
     }
 }
@@ -89,9 +99,10 @@ pub fn dot(simd: Simd, x: &[f32], w: Row<'_>) -> f32 {
     debug_assert_eq!(x.len(), w.len());
     match simd {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Simd::Avx2` is only produced by `detect` after checking avx2, fma and f16c.
-        Simd::Avx2 => unsafe { avx2::dot(x, w) },
-        _ => portable::dot(x, w),
+        // SAFETY: `Simd::Avx2`/`Avx512` are only produced by `detect` after checking avx2, fma
+        // and f16c.
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot(x, w) },
+        Simd::Portable => portable::dot(x, w),
     }
 }
 
@@ -102,8 +113,8 @@ pub fn axpy(simd: Simd, a: f32, w: Row<'_>, out: &mut [f32]) {
     match simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`.
-        Simd::Avx2 => unsafe { avx2::axpy(a, w, out) },
-        _ => portable::axpy(a, w, out),
+        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy(a, w, out) },
+        Simd::Portable => portable::axpy(a, w, out),
     }
 }
 

@@ -1,0 +1,32 @@
+//! AVX-512F kernels (x86-64): the prefill micro-kernel on 16-float vectors. Callers must have
+//! checked `Simd::Avx512` (which implies AVX2, FMA and F16C too).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::avx2::PANEL;
+
+/// Tokens per AVX-512 micro-kernel call.
+pub const MR: usize = 12;
+
+/// `T` tokens x one 16-row packed panel: per k, one panel vector and `T` broadcast FMAs into
+/// `T` accumulators.
+///
+/// # Safety
+/// The CPU must support AVX-512F; each `x[t]` has `k` readable elements;
+/// `panel.len() >= k * 16`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn panel_kernel<const T: usize>(x: &[*const f32; T], panel: &[f32], k: usize, out: &mut [[f32; PANEL]; T]) {
+    let mut a = [_mm512_setzero_ps(); T];
+    let pp = panel.as_ptr();
+    for kk in 0..k {
+        let w = _mm512_loadu_ps(pp.add(kk * PANEL));
+        for t in 0..T {
+            a[t] = _mm512_fmadd_ps(_mm512_set1_ps(*x[t].add(kk)), w, a[t]);
+        }
+    }
+    for t in 0..T {
+        _mm512_storeu_ps(out[t].as_mut_ptr(), a[t]);
+    }
+}
