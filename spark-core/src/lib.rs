@@ -21,6 +21,7 @@ pub mod graph;
 pub mod kv;
 pub mod rope;
 pub mod sample;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
 

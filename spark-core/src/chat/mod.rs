@@ -13,6 +13,7 @@
 mod builtin;
 mod jinja;
 mod pyfmt;
+pub mod toolcall;
 
 use std::path::Path;
 
