@@ -9,6 +9,7 @@
 //! - [`sample`]: logits processors and seeded samplers.
 //! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat-template rendering.
 //! - [`engine`]: the generation loop over an `Executor`.
+//! - [`plugin`]: the backend plugin C ABI, its export macro and the loader.
 //! - [`error`]: the error type shared by all of the above.
 
 pub mod backend;
@@ -19,6 +20,7 @@ pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod kv;
+pub mod plugin;
 pub mod rope;
 pub mod sample;
 pub mod scheduler;
