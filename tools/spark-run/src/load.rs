@@ -1,15 +1,58 @@
 //! Loading what a command needs: resolve `--model` (demo checkpoint, local path or Hugging
-//! Face repo id), build the CPU backend and the model, and find the tokenizer and chat template.
+//! Face repo id), choose the backend (`--backend`, `--plugin-dir`: static backends first, then
+//! plugins on the search path) and open the model on it, and find the tokenizer and chat
+//! template.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
-use backend_cpu::CpuBackend;
 use spark_core::chat::ChatTemplate;
+use spark_core::plugin::loader::{BackendSpec, Registry, SearchPath};
+use spark_core::plugin::{BackendFactory, OpenOptions};
 use spark_core::tokenizer::Tokenizer;
-use spark_core::{DType, Executor, Model, ModelConfig, ModelOptions};
+use spark_core::{DType, Executor, ModelConfig};
 
 use crate::ModelArgs;
+
+/// The global `--backend` and `--plugin-dir` options.
+#[derive(Debug, Clone)]
+pub struct BackendChoice {
+    pub backend: String,
+    pub plugin_dirs: Vec<PathBuf>,
+}
+
+impl Default for BackendChoice {
+    fn default() -> Self {
+        BackendChoice { backend: "auto".into(), plugin_dirs: vec![] }
+    }
+}
+
+static CHOICE: OnceLock<BackendChoice> = OnceLock::new();
+
+/// Record the global backend options (once, from `main`, before any command runs).
+pub fn configure(choice: BackendChoice) {
+    // A second call (none is made) would keep the first choice.
+    let _ = CHOICE.set(choice);
+}
+
+/// The global backend options (`auto` if `configure` was not called).
+pub fn choice() -> BackendChoice {
+    CHOICE.get().cloned().unwrap_or_default()
+}
+
+/// The backends linked into this build, by cargo feature.
+pub fn static_backends() -> Vec<BackendFactory> {
+    vec![
+        #[cfg(feature = "cpu")]
+        backend_cpu::plugin::FACTORY,
+    ]
+}
+
+/// The static backends and the plugin search path of this run.
+pub fn registry() -> Registry {
+    Registry::new(static_backends(), SearchPath::new(&choice().plugin_dirs))
+}
 
 /// The demo checkpoint directory: `$SPARK_DEMO_MODEL`, else `models/spark-demo-tiny` in the
 /// source tree this binary was built from, else beside the executable.
@@ -57,23 +100,42 @@ pub struct Loaded {
     pub dir: PathBuf,
     pub config: ModelConfig,
     pub exec: Box<dyn Executor>,
+    /// Worker threads asked of the backend.
     pub threads: usize,
-    pub simd: &'static str,
+    /// What the chosen device runs with (the CPU's SIMD level, ...).
+    pub simd: String,
     pub load_time: std::time::Duration,
 }
 
-/// Load the model named by `args` on the CPU backend.
+/// Load the model named by `args` on the backend chosen by `--backend`.
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let dir = model_dir(args)?;
     let t0 = std::time::Instant::now();
-    let backend = CpuBackend::new(args.threads)?;
-    let threads = backend.threads();
-    let simd = backend.simd().name();
-    let opts = ModelOptions { ctx: Some(args.ctx_size), dtype: dtype(args)? };
+    if args.threads == Some(0) {
+        anyhow::bail!("--threads must be at least 1");
+    }
+    if args.ctx_size == 0 {
+        anyhow::bail!("--ctx-size: context size 0 is invalid (it must be at least 1)");
+    }
+    let opts = OpenOptions { threads: args.threads, ctx: Some(args.ctx_size), dtype: dtype(args)?, device: 0 };
+    let choice = choice();
+    let spec = BackendSpec::parse(&choice.backend)?;
+    let chosen = registry().choose(&spec).context("--backend")?;
+    for s in &chosen.skipped {
+        eprintln!("warning: skipped backend {s}");
+    }
     let model_dir = if dir.is_file() { dir.parent().unwrap_or(Path::new(".")).to_path_buf() } else { dir.clone() };
-    let model = Model::load(backend, &model_dir, &opts).with_context(|| format!("loading {}", dir.display()))?;
-    let config = model.config().clone();
-    Ok(Loaded { dir: model_dir, config, exec: Box::new(model), threads, simd, load_time: t0.elapsed() })
+    let exec = chosen.open(&model_dir, &opts).with_context(|| format!("loading {}", dir.display()))?;
+    let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    Ok(Loaded {
+        dir: model_dir,
+        config,
+        exec,
+        threads,
+        simd: chosen.device.capabilities.clone(),
+        load_time: t0.elapsed(),
+    })
 }
 
 /// The checkpoint's tokenizer, or an error saying how to do without one.

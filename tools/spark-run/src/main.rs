@@ -1,13 +1,20 @@
 //! `spark-run`: spark's command-line tool.
 //!
-//! Subcommands: `generate`, `chat`, `logits`, `info`, `bench`, `gen-random`. Each takes
-//! `--model DIR|REPO_ID`; without it the small demo checkpoint shipped in the repository is used
-//! (a toy with Spark-X2.5's architecture, not Spark-X2.5).
+//! Subcommands: `generate`, `chat`, `logits`, `info`, `bench`, `gen-random`, `backends`. Each
+//! that loads a model takes `--model DIR|REPO_ID`; without it the small demo checkpoint shipped in
+//! the repository is used (a toy with Spark-X2.5's architecture, not Spark-X2.5).
+//!
+//! `--backend auto|cpu|cuda|wgpu|qnn|PATH` and `--plugin-dir DIR` are global (before or after the
+//! subcommand): a backend linked into this build (cargo feature `cpu`, on by default) is used
+//! first, else a plugin `libspark_backend_NAME.so` on the search path (see `spark-run backends`).
 
+mod backends;
 mod commands;
 mod hub;
 mod load;
 mod npy;
+
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -15,6 +22,15 @@ use clap::{Args, Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "spark-run", version, about, propagate_version = true)]
 struct Cli {
+    /// Backend: auto (the best-scoring usable device), a name (cpu, cuda, wgpu, qnn: linked into
+    /// this build, else the plugin libspark_backend_NAME.so on the plugin path), or the path of a
+    /// plugin library.
+    #[arg(long, global = true, default_value = "auto", value_name = "auto|cpu|cuda|wgpu|qnn|PATH.so")]
+    backend: String,
+    /// A directory to search for backend plugins first (repeatable); then SPARK_PLUGIN_PATH
+    /// (colon-separated), the executable's directory and ../lib beside it.
+    #[arg(long, global = true, value_name = "DIR")]
+    plugin_dir: Vec<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -51,10 +67,14 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// Write a Spark-shaped checkpoint with random weights.
     GenRandom(commands::gen_random::GenRandomArgs),
+    /// List the backends found (linked in or plugins), their devices and scores, and why any
+    /// known one is unusable.
+    Backends(backends::BackendsArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
+    load::configure(load::BackendChoice { backend: cli.backend, plugin_dirs: cli.plugin_dir });
     let result = match cli.command {
         Command::Generate(a) => commands::generate::run(a),
         Command::Chat(a) => commands::chat::run(a),
@@ -62,6 +82,7 @@ fn main() {
         Command::Info(a) => commands::info::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::GenRandom(a) => commands::gen_random::run(a),
+        Command::Backends(a) => backends::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
