@@ -473,6 +473,9 @@ impl Seq {
             None => (None, vec![]),
         };
         let ctl = self.sink.event(Event::Token { id: tok, logprob, top, stop });
+        if self.sink.cancelled() {
+            return Some(FinishReason::Cancelled);
+        }
         if stop || (!self.req.script.is_empty() && self.generated.len() >= self.req.script.len()) {
             return Some(FinishReason::Stop);
         }

@@ -13,6 +13,7 @@ mod commands;
 mod hub;
 mod load;
 mod npy;
+mod serve;
 
 use std::path::PathBuf;
 
@@ -70,6 +71,8 @@ enum Command {
     /// List the backends found (linked in or plugins), their devices and scores, and why any
     /// known one is unusable.
     Backends(backends::BackendsArgs),
+    /// OpenAI-compatible HTTP server (chat, completions, tool calls, continuous batching).
+    Serve(commands::serve::ServeArgs),
 }
 
 fn main() {
@@ -83,6 +86,7 @@ fn main() {
         Command::Bench(a) => commands::bench::run(a),
         Command::GenRandom(a) => commands::gen_random::run(a),
         Command::Backends(a) => backends::run(a),
+        Command::Serve(a) => commands::serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

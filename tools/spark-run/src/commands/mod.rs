@@ -6,3 +6,4 @@ pub mod gen_random;
 pub mod generate;
 pub mod info;
 pub mod logits;
+pub mod serve;

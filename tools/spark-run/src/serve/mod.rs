@@ -1,0 +1,177 @@
+//! `spark-run serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+//!
+//! - `engine`: the thread that owns the executor and runs the scheduler loop.
+//! - `routes`: the HTTP endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+//!   `/health`, `/metrics`).
+//! - `openai`: error objects and request-field parsing.
+//! - `output`: token ids -> text, stop strings, reasoning / content / tool calls.
+//!
+//! See docs/SERVING.md.
+
+mod engine;
+mod openai;
+mod output;
+mod routes;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{Context, Result};
+use spark_core::chat::ChatTemplate;
+use spark_core::sample::SamplingParams;
+use spark_core::scheduler::{Scheduler, SchedulerConfig};
+use spark_core::tokenizer::Tokenizer;
+
+use crate::load::Loaded;
+
+/// Server settings (from the command line).
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub host: String,
+    pub port: u16,
+    pub scheduler: SchedulerConfig,
+    /// Largest request body in bytes.
+    pub body_limit: usize,
+    /// TEST HOOK: a file of scripted model outputs (see [`Scripted`]).
+    pub scripted_reply: Option<PathBuf>,
+}
+
+/// TEST HOOK (`--scripted-reply FILE`, or `SPARK_SCRIPTED_REPLY=FILE`): chat completions emit
+/// these model outputs, in turn, instead of sampled tokens. The text is tokenized and forced
+/// through the real scheduler, decoder and tool-call parser, so a test gets a deterministic tool
+/// call from a model that cannot make one. Replies are separated by a line `---`. Never use it
+/// to serve real traffic.
+pub struct Scripted {
+    pub replies: Vec<String>,
+    pub next: AtomicU64,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub model_id: String,
+    pub tok: Tokenizer,
+    pub template: ChatTemplate,
+    pub eos: Vec<u32>,
+    pub ctx: usize,
+    pub defaults: SamplingParams,
+    pub engine: engine::EngineHandle,
+    pub scripted: Option<Scripted>,
+    pub http: Mutex<HttpCounters>,
+    pub next_id: AtomicU64,
+    pub started: std::time::Instant,
+}
+
+/// HTTP-level counters for /metrics.
+#[derive(Debug, Default, Clone)]
+pub struct HttpCounters {
+    /// (endpoint, status) -> count
+    pub responses: std::collections::BTreeMap<(String, u16), u64>,
+}
+
+/// Sampling defaults from the checkpoint's generation_config.json.
+fn default_params(dir: &std::path::Path) -> SamplingParams {
+    let gc: serde_json::Value = std::fs::read_to_string(dir.join("generation_config.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(serde_json::Value::Null);
+    let num = |k: &str| gc.get(k).and_then(|v| v.as_f64());
+    let p = SamplingParams {
+        temperature: num("temperature").map_or(1.0, |v| v as f32),
+        top_k: num("top_k").map_or(0, |v| v as usize),
+        top_p: num("top_p").map_or(1.0, |v| v as f32),
+        ..SamplingParams::default()
+    };
+    if p.validate().is_ok() {
+        p
+    } else {
+        SamplingParams::default()
+    }
+}
+
+/// Run the server until Ctrl-C / SIGTERM.
+pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
+    let dir = loaded.dir.clone();
+    let tok = crate::load::tokenizer(&dir)?;
+    let template = crate::load::chat_template(&dir)?;
+    let info = loaded.exec.info();
+    let model_id = dir.file_name().map_or_else(|| "spark".to_string(), |n| n.to_string_lossy().into_owned());
+    let scripted_path =
+        cfg.scripted_reply.clone().or_else(|| std::env::var_os("SPARK_SCRIPTED_REPLY").map(PathBuf::from));
+    let scripted = match scripted_path {
+        Some(p) => {
+            let text = std::fs::read_to_string(&p).with_context(|| format!("--scripted-reply {}", p.display()))?;
+            let replies: Vec<String> =
+                text.split("\n---\n").map(|s| s.trim_end_matches('\n').to_string()).filter(|s| !s.is_empty()).collect();
+            eprintln!(
+                "warning: TEST HOOK active: chat replies are scripted from {} ({} replies)",
+                p.display(),
+                replies.len()
+            );
+            Some(Scripted { replies, next: AtomicU64::new(0) })
+        }
+        None => None,
+    };
+    let sch = Scheduler::new(cfg.scheduler.clone(), loaded.config.clone(), loaded.exec.as_ref());
+    let engine = engine::EngineHandle::start(loaded.exec, sch).context("starting the engine thread")?;
+    let state = Arc::new(AppState {
+        model_id,
+        tok,
+        template,
+        eos: loaded.config.eos.clone(),
+        ctx: info.ctx,
+        defaults: default_params(&dir),
+        engine,
+        scripted,
+        http: Mutex::new(HttpCounters::default()),
+        next_id: AtomicU64::new(1),
+        started: std::time::Instant::now(),
+    });
+    let app = routes::router(state.clone(), cfg.body_limit);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
+    rt.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port)
+            .parse()
+            .or_else(|_| {
+                std::net::ToSocketAddrs::to_socket_addrs(&(cfg.host.as_str(), cfg.port))
+                    .ok()
+                    .and_then(|mut a| a.next())
+                    .ok_or(())
+            })
+            .map_err(|_| anyhow::anyhow!("--host {}: not an address", cfg.host))?;
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        eprintln!(
+            "spark serving {} (ctx {}, backend {}) on http://{} — OpenAI API at /v1",
+            state.model_id,
+            state.ctx,
+            info.backend,
+            listener.local_addr().map_or(addr.to_string(), |a| a.to_string())
+        );
+        axum::serve(listener, app).with_graceful_shutdown(shutdown()).await.context("serving")?;
+        Ok::<(), anyhow::Error>(())
+    })?;
+    Ok(())
+}
+
+async fn shutdown() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("shutting down");
+}

@@ -1,0 +1,148 @@
+//! From generated token ids to what a client sees: ids are decoded into text as they arrive,
+//! stop strings are matched (text that may begin one is held back), and, for chat, the text is
+//! split into reasoning, content and tool calls by the Spark tool-call parser.
+
+use serde_json::{json, Value};
+use spark_core::chat::toolcall::{Delta, ToolCallParser, ToolSpec};
+use spark_core::tokenizer::{StreamDecoder, Tokenizer};
+
+/// Matches stop strings in streamed text.
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> StopMatcher {
+        StopMatcher { stops, held: String::new() }
+    }
+
+    /// Add text; returns the text that is final and whether a stop string was reached (the stop
+    /// string and what follows are dropped).
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        self.held.push_str(text);
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(i) = first {
+            let out = self.held[..i].to_string();
+            self.held.clear();
+            return (out, true);
+        }
+        // Hold back the longest suffix that is a prefix of a stop string.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (n, _) in s.char_indices().skip(1) {
+                if n > keep && self.held.ends_with(&s[..n]) {
+                    keep = n;
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        (out, false)
+    }
+
+    /// The end: what is held was not a stop string.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// Log-probability info of one generated token, OpenAI chat style.
+pub fn chat_logprob(tok: &Tokenizer, id: u32, logprob: f32, top: &[(u32, f32)]) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let s = tok.decode(&[id], false).unwrap_or_default();
+        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+    };
+    let mut e = entry(id, logprob);
+    e["top_logprobs"] = Value::Array(top.iter().map(|&(i, l)| entry(i, l)).collect());
+    e
+}
+
+/// One request's output pipeline.
+pub struct Pipeline<'t> {
+    dec: StreamDecoder<'t>,
+    stop: StopMatcher,
+    parser: Option<ToolCallParser>,
+    /// Whether a stop string ended the output.
+    pub stopped: bool,
+    finished: bool,
+}
+
+impl<'t> Pipeline<'t> {
+    /// `chat`: parse reasoning/content/tool calls (with `tools` and `thinking`); otherwise plain text.
+    pub fn new(tok: &'t Tokenizer, stops: Vec<String>, chat: Option<(Vec<ToolSpec>, bool)>) -> Pipeline<'t> {
+        Pipeline {
+            dec: tok.stream_decoder(true),
+            stop: StopMatcher::new(stops),
+            parser: chat.map(|(tools, thinking)| ToolCallParser::new(tools, thinking)),
+            stopped: false,
+            finished: false,
+        }
+    }
+
+    /// Recovery notes of the tool-call parser.
+    pub fn recoveries(&self) -> Vec<String> {
+        self.parser.as_ref().map(|p| p.recoveries().to_vec()).unwrap_or_default()
+    }
+
+    /// A generated token; returns deltas (plain text comes as `Delta::Content`).
+    pub fn token(&mut self, id: u32) -> Vec<Delta> {
+        if self.finished {
+            return vec![];
+        }
+        let text = self.dec.step(id).ok().flatten().unwrap_or_default();
+        self.text(&text, false)
+    }
+
+    /// The end of generation.
+    pub fn finish(&mut self) -> Vec<Delta> {
+        if self.finished {
+            return vec![];
+        }
+        let text = self.dec.flush().ok().flatten().unwrap_or_default();
+        self.text(&text, true)
+    }
+
+    fn text(&mut self, text: &str, end: bool) -> Vec<Delta> {
+        let (mut out, hit) = self.stop.push(text);
+        if end && !hit {
+            out.push_str(&self.stop.flush());
+        }
+        let mut deltas = match &mut self.parser {
+            Some(p) => p.push(&out),
+            None if out.is_empty() => vec![],
+            None => vec![Delta::Content(out)],
+        };
+        if hit || end {
+            self.stopped |= hit;
+            self.finished = true;
+            if let Some(p) = &mut self.parser {
+                deltas.extend(p.finish());
+            }
+        }
+        deltas
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_matcher_holds_prefixes() {
+        let mut m = StopMatcher::new(vec!["END".into(), "xyz".into()]);
+        assert_eq!(m.push("abc E"), ("abc ".to_string(), false));
+        assert_eq!(m.push("N"), (String::new(), false));
+        assert_eq!(m.push("X"), ("ENX".to_string(), false));
+        assert_eq!(m.push("1 EN"), ("1 ".to_string(), false));
+        assert_eq!(m.push("D tail"), (String::new(), true));
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("aé"), ("a".to_string(), false));
+        assert_eq!(m.flush(), "é");
+    }
+}
