@@ -36,6 +36,20 @@ fn artifacts() -> &'static Path {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.current_dir(repo()).args(["build", "--workspace", "--target-dir"]).arg(target_dir);
+        // Cargo describes this test's package in the environment (CARGO_PKG_NAME,
+        // CARGO_MANIFEST_DIR, ...); some build scripts (ring's) rerun when those change, so
+        // passing them on would rebuild those crates here and again in the next plain build.
+        for (k, _) in std::env::vars_os() {
+            let name = k.to_string_lossy();
+            let set_by_cargo = ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_PACKAGE"]
+                .iter()
+                .any(|p| name.starts_with(p))
+                || name == "CARGO_TARGET_TMPDIR"
+                || name == "OUT_DIR";
+            if set_by_cargo {
+                cmd.env_remove(&k);
+            }
+        }
         match profile {
             "debug" => {}
             "release" => {
