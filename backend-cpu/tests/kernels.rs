@@ -5,6 +5,9 @@ use spark_backend_cpu::kernels::matmul::{matmul, Mat};
 use spark_backend_cpu::Simd;
 use spark_core::DType;
 
+/// A weight-matrix case: name, the matrix, and element `i` as f64 for the reference.
+type Case<'a> = (&'a str, Mat<'a>, Box<dyn Fn(usize) -> f64 + 'a>);
+
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
@@ -21,7 +24,7 @@ fn matmul_matches_scalar_reference() {
         let w32: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
         let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
         let hf: Vec<u16> = w32.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-        let cases: [(&str, Mat<'_>, Box<dyn Fn(usize) -> f64>); 3] = [
+        let cases: [Case<'_>; 3] = [
             ("f32", Mat::F32(&w32), Box::new(|i| w32[i] as f64)),
             ("bf16", Mat::BF16(&bf), Box::new(|i| half::bf16::from_bits(bf[i]).to_f64())),
             ("f16", Mat::F16(&hf), Box::new(|i| half::f16::from_bits(hf[i]).to_f64())),

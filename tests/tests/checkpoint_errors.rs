@@ -8,7 +8,7 @@ use std::path::Path;
 
 use backend_cpu::CpuBackend;
 use common::repo;
-use spark_core::weights::{write_safetensors, Checkpoint, ModelWeights, Tensor};
+use spark_core::weights::{write_safetensors, Checkpoint, Tensor};
 use spark_core::{DType, Executor, LogitsMode, Model, ModelConfig, ModelOptions, SeqStep};
 
 fn golden_dir() -> std::path::PathBuf {
@@ -167,8 +167,10 @@ fn executor_rejects_bad_steps() {
     // Rewinding a sequence past what its sliding window still holds is refused (window 16).
     step(&(0..30).collect::<Vec<u32>>(), 0, &mut out).unwrap();
     assert!(step(&[3], 10, &mut out).unwrap_err().contains("cannot rewind"));
-    // Rewinding by one token is fine, and gives the same logits as the first time.
+    // Rewinding by one token is fine, and gives the same logits as the first time (up to f32
+    // summation order: the first pass ran the prefill GEMM, this one the decode GEMV).
     let before = out.clone();
     step(&[29], 29, &mut out).unwrap();
-    assert_eq!(before, out);
+    let d = before.iter().zip(&out).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(d < 1e-5, "rewound logits differ by {d:e}");
 }

@@ -197,8 +197,8 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
         }
         for j in 0..4 {
             let mut s = hsum(_mm256_add_ps(a[2 * j], a[2 * j + 1]));
-            for t in body..k {
-                s += x[t] * (*rows[j].add(t)).to_f32();
+            for (t, &xv) in x.iter().enumerate().skip(body) {
+                s += xv * (*rows[j].add(t)).to_f32();
             }
             out[r - r0 + j] = s;
         }
@@ -215,8 +215,8 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
             i += 16;
         }
         let mut s = hsum(_mm256_add_ps(a0, a1));
-        for t in body..k {
-            s += x[t] * (*rp.add(t)).to_f32();
+        for (t, &xv) in x.iter().enumerate().skip(body) {
+            s += xv * (*rp.add(t)).to_f32();
         }
         out[r - r0] = s;
         r += 1;
