@@ -36,8 +36,15 @@ pub struct ChatArgs {
     pub hide_reasoning: bool,
 }
 
-const DIM: &str = "\x1b[2m";
-const RESET: &str = "\x1b[0m";
+/// ANSI dim / reset, only when stdout is a terminal.
+fn styles() -> (&'static str, &'static str) {
+    use std::io::IsTerminal;
+    if std::io::stdout().is_terminal() {
+        ("\x1b[2m", "\x1b[0m")
+    } else {
+        ("", "")
+    }
+}
 
 pub fn run(a: ChatArgs) -> Result<()> {
     let mut loaded = load::load(&a.model)?;
@@ -47,6 +54,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
     let mut sampler = Sampler::new(a.sampling.params(&dir)?).map_err(|e| anyhow::anyhow!("{e}"))?;
     let end_think = tok.special_ids().end_think;
     let eos = loaded.config.eos.clone();
+    let (dim, reset) = styles();
     let mut think = !a.no_think;
     let mut session = Session::new(1);
     let mut messages: Vec<Value> = vec![];
@@ -108,7 +116,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         let mut content_ids = vec![];
         let mut dec = tok.stream_decoder(true);
         if in_reasoning && !a.hide_reasoning {
-            write!(out, "{DIM}")?;
+            write!(out, "{dim}")?;
         }
         let hide = a.hide_reasoning;
         let result = session.generate(loaded.exec.as_mut(), &prompt, a.n, &mut sampler, &eos, &mut |id| {
@@ -119,7 +127,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
                 in_reasoning = false;
                 let _ = dec.flush();
                 if !hide {
-                    let _ = writeln!(out, "{RESET}");
+                    let _ = writeln!(out, "{reset}");
                 }
                 return true;
             }
@@ -141,7 +149,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
                 write!(out, "{t}")?;
             }
         }
-        write!(out, "{RESET}")?;
+        write!(out, "{reset}")?;
         writeln!(out)?;
         let outcome = match result {
             Ok(o) => o,
