@@ -226,21 +226,66 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
 /// Rows of a packed panel: 16 weight rows interleaved as `[k][16]` f32.
 pub const PANEL: usize = 16;
 
+/// Transpose an 8x8 block of f32 held in 8 registers.
+#[inline(always)]
+unsafe fn transpose8(r: &mut [__m256; 8]) {
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    r[0] = _mm256_permute2f128_ps::<0x20>(s0, s4);
+    r[1] = _mm256_permute2f128_ps::<0x20>(s1, s5);
+    r[2] = _mm256_permute2f128_ps::<0x20>(s2, s6);
+    r[3] = _mm256_permute2f128_ps::<0x20>(s3, s7);
+    r[4] = _mm256_permute2f128_ps::<0x31>(s0, s4);
+    r[5] = _mm256_permute2f128_ps::<0x31>(s1, s5);
+    r[6] = _mm256_permute2f128_ps::<0x31>(s2, s6);
+    r[7] = _mm256_permute2f128_ps::<0x31>(s3, s7);
+}
+
 /// Pack rows `r0..r0+16` of `w` (`[m, k]`) into `panel` as `[k][16]` f32, zero rows past `m`.
+/// Converts 8 elements of 8 rows at a time and transposes them in registers, so the panel is
+/// written with full-vector stores.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C; `panel.len() >= k * 16`; `w.len() >= m * k`.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn pack_panel<E: Elem>(w: &[E], k: usize, m: usize, r0: usize, panel: &mut [f32]) {
-    for (j, r) in (r0..r0 + PANEL).enumerate() {
-        if r < m {
-            let row = &w[r * k..(r + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                *panel.get_unchecked_mut(kk * PANEL + j) = v.to_f32();
+    let wp = w.as_ptr();
+    let pp = panel.as_mut_ptr();
+    let body = k - k % 8;
+    for g in 0..2 {
+        let base = r0 + 8 * g;
+        let mut kk = 0;
+        while kk < body {
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (j, vj) in v.iter_mut().enumerate() {
+                if base + j < m {
+                    *vj = E::load8(wp.add((base + j) * k + kk));
+                }
             }
-        } else {
-            for kk in 0..k {
-                *panel.get_unchecked_mut(kk * PANEL + j) = 0.0;
+            transpose8(&mut v);
+            for (i, vi) in v.iter().enumerate() {
+                _mm256_storeu_ps(pp.add((kk + i) * PANEL + 8 * g), *vi);
+            }
+            kk += 8;
+        }
+        for kk in body..k {
+            for j in 0..8 {
+                let r = base + j;
+                *pp.add(kk * PANEL + 8 * g + j) = if r < m { (*wp.add(r * k + kk)).to_f32() } else { 0.0 };
             }
         }
     }
@@ -269,5 +314,52 @@ pub unsafe fn panel_kernel<const T: usize>(x: &[*const f32; T], panel: &[f32], k
     for t in 0..T {
         _mm256_storeu_ps(out[t].as_mut_ptr(), a0[t]);
         _mm256_storeu_ps(out[t].as_mut_ptr().add(8), a1[t]);
+    }
+}
+
+/// Multi-token GEMV for small batches: rows `r0..r1` for `T` tokens at once, two rows per
+/// iteration, so each weight element is loaded and converted once per `T` tokens.
+/// `out[t][r - r0] = x[t] . w[r]`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `w` holds at least `r1 * k` elements; every
+/// `x[t]` has `k` elements; every `out[t]` has at least `r1 - r0`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn gemv_multi<E: Elem, const T: usize>(
+    x: [&[f32]; T],
+    w: &[E],
+    k: usize,
+    r0: usize,
+    r1: usize,
+    out: &mut [&mut [f32]; T],
+) {
+    let wp = w.as_ptr();
+    let body = k - k % 8;
+    let mut r = r0;
+    while r < r1 {
+        let nr = if r + 2 <= r1 { 2 } else { 1 };
+        let rows = [wp.add(r * k), wp.add((r + nr - 1) * k)];
+        let mut a = [[_mm256_setzero_ps(); T]; 2];
+        let mut i = 0;
+        while i < body {
+            let w0 = E::load8(rows[0].add(i));
+            let w1 = E::load8(rows[1].add(i));
+            for t in 0..T {
+                let xv = _mm256_loadu_ps(x[t].as_ptr().add(i));
+                a[0][t] = _mm256_fmadd_ps(xv, w0, a[0][t]);
+                a[1][t] = _mm256_fmadd_ps(xv, w1, a[1][t]);
+            }
+            i += 8;
+        }
+        for (j, row) in rows.iter().enumerate().take(nr) {
+            for t in 0..T {
+                let mut s = hsum(a[j][t]);
+                for (kk, &xv) in x[t].iter().enumerate().skip(body) {
+                    s += xv * (*row.add(kk)).to_f32();
+                }
+                out[t][r - r0 + j] = s;
+            }
+        }
+        r += nr;
     }
 }

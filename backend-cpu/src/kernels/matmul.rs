@@ -2,10 +2,11 @@
 //! bf16 or f16, accumulating in f32.
 //!
 //! Work is split over weight-row chunks across the thread pool.
-//! - Decode (n < 4) is a GEMV that streams each weight row once ([`avx2::gemv`]).
-//! - Prefill (n >= 4) packs 16 weight rows at a time into an f32 panel `[k][16]` (converting
-//!   bf16/f16 once per panel and token block) and runs a broadcast outer-product micro-kernel
-//!   over 6 tokens x 16 rows ([`avx2::panel_kernel`]); token blocks keep the activations in L2.
+//! - Decode and small batches (n < 16) run a GEMV that streams the weights once per 4 tokens
+//!   ([`avx2::gemv`], [`avx2::gemv_multi`]).
+//! - Prefill (n >= 16) packs 16 weight rows at a time into an f32 panel `[k][16]` (converting
+//!   bf16/f16 once per panel) and runs a broadcast outer-product micro-kernel over 6 (AVX2) or
+//!   12 (AVX-512) tokens x 16 rows ([`avx2::panel_kernel`]) for every token.
 //! - The portable path computes plain dot products.
 
 use rayon::prelude::*;
@@ -53,8 +54,8 @@ impl SharedOut {
     }
 }
 
-/// Tokens per block of the prefill path (their activations stay in L2).
-const TOKEN_BLOCK: usize = 96;
+/// Below this many tokens, matmuls run as a multi-token GEMV (no panel packing).
+const SMALL_BATCH: usize = 16;
 /// Tokens per AVX2 micro-kernel call.
 const MR: usize = 6;
 /// Tokens per AVX-512 micro-kernel call.
@@ -112,25 +113,59 @@ fn avx2_rows<E: Elem>(
     round: DType,
     avx512: bool,
 ) {
-    if n < 4 {
-        let mut tmp = vec![0.0f32; r1 - r0];
-        for t in 0..n {
-            // SAFETY: Simd::Avx2 was detected; w holds m >= r1 rows of k; tmp holds r1 - r0.
-            unsafe { avx2::gemv(&x[t * k..(t + 1) * k], w, k, r0, r1, &mut tmp) };
-            for (j, &v) in tmp.iter().enumerate() {
-                // SAFETY: t < n, r0 + j < r1 <= m; rows [r0, r1) belong to this task only.
-                unsafe { outp.put(t * m + r0 + j, round.round(v)) };
+    if n < SMALL_BATCH {
+        // Small batches: multi-token GEMV, weights streamed once per 4 tokens, no packing.
+        let mut tmp = vec![vec![0.0f32; r1 - r0]; 4];
+        let mut t = 0;
+        while t < n {
+            let tb = 4.min(n - t);
+            let xs = |i: usize| &x[(t + i) * k..(t + i + 1) * k];
+            {
+                let (a, rest) = tmp.split_at_mut(1);
+                let (b, rest) = rest.split_at_mut(1);
+                let (c, d) = rest.split_at_mut(1);
+                // SAFETY: Simd::Avx2 (or better) was detected; w holds m >= r1 rows of k; every
+                // x row has k elements; every tmp row holds r1 - r0.
+                unsafe {
+                    match tb {
+                        4 => avx2::gemv_multi::<E, 4>(
+                            [xs(0), xs(1), xs(2), xs(3)],
+                            w,
+                            k,
+                            r0,
+                            r1,
+                            &mut [&mut a[0], &mut b[0], &mut c[0], &mut d[0]],
+                        ),
+                        3 => avx2::gemv_multi::<E, 3>(
+                            [xs(0), xs(1), xs(2)],
+                            w,
+                            k,
+                            r0,
+                            r1,
+                            &mut [&mut a[0], &mut b[0], &mut c[0]],
+                        ),
+                        2 => avx2::gemv_multi::<E, 2>([xs(0), xs(1)], w, k, r0, r1, &mut [&mut a[0], &mut b[0]]),
+                        _ => avx2::gemv(xs(0), w, k, r0, r1, &mut a[0]),
+                    }
+                }
             }
+            for (i, row) in tmp.iter().enumerate().take(tb) {
+                for (j, &v) in row.iter().enumerate() {
+                    // SAFETY: t + i < n, r0 + j < r1 <= m; rows [r0, r1) belong to this task only.
+                    unsafe { outp.put((t + i) * m + r0 + j, round.round(v)) };
+                }
+            }
+            t += tb;
         }
         return;
     }
     let mut panel = vec![0.0f32; k * PANEL];
     let mut acc = [[0.0f32; PANEL]; MR_512];
-    for t0 in (0..n).step_by(TOKEN_BLOCK) {
-        let t1 = (t0 + TOKEN_BLOCK).min(n);
-        for p0 in (r0..r1).step_by(PANEL) {
-            // SAFETY: Simd::Avx2 was detected; panel holds k * 16; w holds m * k.
-            unsafe { avx2::pack_panel(w, k, m, p0, &mut panel) };
+    for p0 in (r0..r1).step_by(PANEL) {
+        // SAFETY: Simd::Avx2 was detected; panel holds k * 16; w holds m * k.
+        unsafe { avx2::pack_panel(w, k, m, p0, &mut panel) };
+        {
+            let (t0, t1) = (0, n);
             let rows = PANEL.min(r1 - p0);
             let mut t = t0;
             let mr = if avx512 { MR_512 } else { MR };
