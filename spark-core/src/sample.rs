@@ -498,15 +498,7 @@ impl Sampler {
         if !use_top_p {
             // No ordering needed: filter by min-p (w >= min_p, as w_max = 1) or
             // just drop zero-probability tokens.
-            self.cand.clear();
-            for (i, &l) in logits.iter().enumerate() {
-                let w = w_of(l);
-                if w > 0.0 && w >= p.min_p {
-                    let mut c = Cand::new(l, i as u32);
-                    c.w = w;
-                    self.cand.push(c);
-                }
-            }
+            collect_min_p(logits, &w_of, p.min_p, &mut self.cand);
             return !self.cand.is_empty();
         }
 
@@ -527,15 +519,7 @@ impl Sampler {
         }
         // Flat distributions: weighted quickselect over every token that min-p keeps
         // (min-p keeps a prefix in best-first order, so filtering it first is exact).
-        self.cand.clear();
-        for (i, &l) in logits.iter().enumerate() {
-            let w = w_of(l);
-            if w > 0.0 && w >= p.min_p {
-                let mut c = Cand::new(l, i as u32);
-                c.w = w;
-                self.cand.push(c);
-            }
-        }
+        collect_min_p(logits, &w_of, p.min_p, &mut self.cand);
         let cut = weighted_select_cut(&mut self.cand, target);
         self.cand.truncate(cut);
         !self.cand.is_empty()
@@ -564,6 +548,20 @@ impl Sampler {
 /// `items`: the index of the first token dropped by top-p (the mass before it reaches
 /// `target`, HF semantics) or by min-p (`w < min_p`). The very first token of the
 /// vocabulary (index 0 with `mass_before == 0`) is always kept. `None`: all kept.
+/// Every token with a non-zero weight `w >= min_p` (weights are relative to the best token's,
+/// so this is the min-p rule), in vocabulary order, into `out`.
+fn collect_min_p(logits: &[f32], w_of: &dyn Fn(f32) -> f32, min_p: f32, out: &mut Vec<Cand>) {
+    out.clear();
+    for (i, &l) in logits.iter().enumerate() {
+        let w = w_of(l);
+        if w > 0.0 && w >= min_p {
+            let mut c = Cand::new(l, i as u32);
+            c.w = w;
+            out.push(c);
+        }
+    }
+}
+
 fn sorted_cut(items: &[Cand], mass_before: f64, target: f64, min_p: f32) -> Option<usize> {
     let mut acc = mass_before;
     for (i, c) in items.iter().enumerate() {

@@ -61,6 +61,20 @@ pub struct Request {
     pub script: Vec<u32>,
 }
 
+impl Request {
+    /// A greedy request for `max_tokens` tokens with no stop ids, logprobs or script.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+        Request {
+            prompt,
+            params: SamplingParams::greedy(),
+            max_tokens,
+            stop_ids: vec![],
+            logprobs: None,
+            script: vec![],
+        }
+    }
+}
+
 /// Why a request ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -582,14 +596,7 @@ mod tests {
     }
 
     fn req(prompt: Vec<u32>, n: usize) -> Request {
-        Request {
-            prompt,
-            params: SamplingParams::greedy(),
-            max_tokens: n,
-            stop_ids: vec![],
-            logprobs: None,
-            script: vec![],
-        }
+        Request::greedy(prompt, n)
     }
 
     fn tokens(log: &Log) -> Vec<u32> {

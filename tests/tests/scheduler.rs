@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 
 use backend_cpu::CpuBackend;
 use common::*;
-use spark_core::sample::SamplingParams;
 use spark_core::scheduler::{Control, Event, FinishReason, Request, Scheduler, SchedulerConfig, Sink};
 use spark_core::{Executor, Model, ModelConfig, ModelOptions};
 
@@ -32,14 +31,7 @@ fn sink(log: &Log) -> Box<dyn Sink> {
 }
 
 fn greedy(prompt: &[u32], n: usize) -> Request {
-    Request {
-        prompt: prompt.to_vec(),
-        params: SamplingParams::greedy(),
-        max_tokens: n,
-        stop_ids: vec![],
-        logprobs: None,
-        script: vec![],
-    }
+    Request::greedy(prompt.to_vec(), n)
 }
 
 fn tokens(log: &Log) -> Vec<u32> {

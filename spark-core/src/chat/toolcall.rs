@@ -864,32 +864,13 @@ pub fn repair_json(s: &str) -> Option<(Value, usize, Vec<String>)> {
         return None;
     }
     // Find where the value ends when it is balanced.
-    let mut stack: Vec<char> = Vec::new();
-    let mut in_str = false;
-    let mut esc = false;
+    let mut scan = JsonScan::default();
     for (i, c) in s_trim.char_indices() {
-        if in_str {
-            match (esc, c) {
-                (true, _) => esc = false,
-                (false, '\\') => esc = true,
-                (false, '"') => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match c {
-            '"' => in_str = true,
-            '{' => stack.push('}'),
-            '[' => stack.push(']'),
-            '}' | ']' => {
-                if stack.pop() != Some(c) {
-                    return None;
-                }
-                if stack.is_empty() {
-                    let text = &s_trim[..=i];
-                    let v = serde_json::from_str(text).ok()?;
-                    return Some((v, lead + i + 1, vec![]));
-                }
+        match scan.step(c) {
+            Some(Bracket::Close { matched: false }) => return None,
+            Some(Bracket::Close { matched: true }) if scan.stack.is_empty() => {
+                let v = serde_json::from_str(&s_trim[..=i]).ok()?;
+                return Some((v, lead + i + 1, vec![]));
             }
             _ => {}
         }
@@ -915,31 +896,58 @@ pub fn repair_json(s: &str) -> Option<(Value, usize, Vec<String>)> {
     None
 }
 
-/// Close an unterminated JSON text: returns the closed text and a note.
-fn close_json(s: &str) -> Option<(String, String)> {
-    let mut stack: Vec<char> = Vec::new();
-    let mut in_str = false;
-    let mut esc = false;
-    for c in s.chars() {
-        if in_str {
-            match (esc, c) {
-                (true, _) => esc = false,
-                (false, '\\') => esc = true,
-                (false, '"') => in_str = false,
+/// A bracket event reported by [`JsonScan::step`].
+enum Bracket {
+    Open,
+    /// A `}` or `]`; `matched` is false when it does not close the innermost open bracket.
+    Close {
+        matched: bool,
+    },
+}
+
+/// Tracks strings, escapes and open brackets while walking JSON text one char at a time.
+#[derive(Default)]
+struct JsonScan {
+    /// Closers still expected, innermost last.
+    stack: Vec<char>,
+    in_str: bool,
+    esc: bool,
+}
+
+impl JsonScan {
+    /// Feed one char; reports brackets outside strings.
+    fn step(&mut self, c: char) -> Option<Bracket> {
+        if self.in_str {
+            match (self.esc, c) {
+                (true, _) => self.esc = false,
+                (false, '\\') => self.esc = true,
+                (false, '"') => self.in_str = false,
                 _ => {}
             }
-            continue;
+            return None;
         }
         match c {
-            '"' => in_str = true,
-            '{' => stack.push('}'),
-            '[' => stack.push(']'),
-            '}' | ']' => {
-                stack.pop();
+            '"' => {
+                self.in_str = true;
+                None
             }
-            _ => {}
+            '{' | '[' => {
+                self.stack.push(if c == '{' { '}' } else { ']' });
+                Some(Bracket::Open)
+            }
+            '}' | ']' => Some(Bracket::Close { matched: self.stack.pop() == Some(c) }),
+            _ => None,
         }
     }
+}
+
+/// Close an unterminated JSON text: returns the closed text and a note.
+fn close_json(s: &str) -> Option<(String, String)> {
+    let mut scan = JsonScan::default();
+    for c in s.chars() {
+        scan.step(c);
+    }
+    let JsonScan { stack, in_str, esc } = scan;
     let mut t = s.to_string();
     let mut what = Vec::new();
     if in_str {
