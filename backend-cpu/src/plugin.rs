@@ -50,7 +50,7 @@ pub fn open(dir: &Path, o: &OpenOptions) -> Result<Box<dyn Executor>> {
         return Err(Error::invalid(format!("cpu backend: device {} does not exist (the only device is 0)", o.device)));
     }
     let backend = CpuBackend::new(o.threads)?;
-    Ok(Box::new(Model::load(backend, dir, &ModelOptions { ctx: o.ctx, dtype: o.dtype })?))
+    Ok(Box::new(Model::load(backend, dir, &ModelOptions { ctx: o.ctx, dtype: o.dtype, quant: o.quant })?))
 }
 
 /// The processor's model name, from `/proc/cpuinfo` where there is one.

@@ -14,6 +14,7 @@ use crate::config::GateAct;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kv::KvSpec;
+use crate::quant::QTensor;
 use crate::rope::RopeTable;
 use crate::weights::Tensor as HostTensor;
 
@@ -64,6 +65,11 @@ pub trait Backend: Send {
     /// Make a checkpoint tensor usable by the kernels, in `dtype` (a conversion only when the
     /// stored type differs or the layout is unusable; mapped memory is used as is otherwise).
     fn upload_weight(&self, t: &HostTensor, role: WeightRole, dtype: DType) -> Result<Self::Weight>;
+    /// Make a quantized matrix usable. Backends with integer kernels repack it; the default
+    /// dequantizes it to `dtype` and uploads that (correct everywhere, no memory or speed gain).
+    fn upload_quant(&self, q: &QTensor, role: WeightRole, dtype: DType) -> Result<Self::Weight> {
+        self.upload_weight(&q.to_tensor(dtype), role, dtype)
+    }
     fn upload_rope(&self, table: &RopeTable) -> Result<Self::Rope>;
     /// A zeroed `[rows, cols]` buffer.
     fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;

@@ -12,8 +12,9 @@ use crate::config::{LayerType, ModelConfig};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv::KvSpec;
+use crate::quant::{quantize_tensor, QuantSpec};
 use crate::rope::RopeTable;
-use crate::weights::{Checkpoint, ModelWeights};
+use crate::weights::{Checkpoint, ModelWeights, Weight};
 
 /// How to serve a model.
 #[derive(Debug, Clone, Default)]
@@ -21,8 +22,11 @@ pub struct ModelOptions {
     /// Largest context to serve (positions `0..ctx`); sizes RoPE tables and full-layer KV.
     /// `None`: `min(max_position_embeddings, 4096)`.
     pub ctx: Option<usize>,
-    /// Compute dtype; `None`: the checkpoint's stored dtype.
+    /// Compute dtype; `None`: the checkpoint's stored float dtype.
     pub dtype: Option<DType>,
+    /// Quantize a float checkpoint's matrices at load (all but the tiny head gate `g_proj`;
+    /// the tied embedding/output head included). Ignored for matrices already quantized.
+    pub quant: Option<QuantSpec>,
 }
 
 struct LayerW<B: Backend> {
@@ -69,7 +73,7 @@ impl<B: Backend> Model<B> {
 
     /// Upload validated weights to `backend`.
     pub fn new(backend: B, cfg: ModelConfig, w: &ModelWeights, opts: &ModelOptions) -> Result<Self> {
-        let dtype = opts.dtype.unwrap_or(w.embedding.dtype);
+        let dtype = opts.dtype.unwrap_or(w.float_dtype());
         let ctx = opts.ctx.unwrap_or(cfg.max_positions.min(4096));
         if ctx == 0 || ctx > cfg.max_positions {
             return Err(Error::invalid(format!(
@@ -78,7 +82,13 @@ impl<B: Backend> Model<B> {
             )));
         }
         let b = &backend;
-        let up = |t, role| b.upload_weight(t, role, dtype);
+        // Matrices one at a time, so at most one float copy of a quantized-at-load matrix lives.
+        let up_q = |w: &Weight, role, quantize: bool| match (w, opts.quant) {
+            (Weight::Quant(q), _) => b.upload_quant(q, role, dtype),
+            (Weight::Float(t), Some(spec)) if quantize => b.upload_quant(&quantize_tensor(t, spec)?, role, dtype),
+            (Weight::Float(t), _) => b.upload_weight(t, role, dtype),
+        };
+        let up = |w: &Weight, role| up_q(w, role, true);
         let layers = w
             .layers
             .iter()
@@ -88,7 +98,7 @@ impl<B: Backend> Model<B> {
                     kind,
                     attn_norm: b.upload_weight(&l.attn_norm, WeightRole::Norm, DType::F32)?,
                     qkv: up(&l.qkv, WeightRole::Matrix)?,
-                    gate: up(&l.gate, WeightRole::Matrix)?,
+                    gate: up_q(&l.gate, WeightRole::Matrix, false)?,
                     out: up(&l.out, WeightRole::Matrix)?,
                     mlp_norm: b.upload_weight(&l.mlp_norm, WeightRole::Norm, DType::F32)?,
                     mlp_gate: up(&l.mlp_gate, WeightRole::Matrix)?,

@@ -2,6 +2,7 @@
 //!
 //! - [`config`]: `config.json` -> validated [`config::ModelConfig`].
 //! - [`dtype`], [`weights`]: memory-mapped safetensors (single or sharded) as named tensor views.
+//! - [`quant`]: int8/int4 quantized matrices, their reference (de)quantization and storage.
 //! - [`backend`]: the op-level `Backend` trait and the step-level `Executor` trait.
 //! - [`graph`]: THE hybrid decoder, written once over any `Backend`.
 //! - [`kv`]: KV-cache layout (sliding layers a ring of `window`, full layers grow) and accounting.
@@ -21,6 +22,7 @@ pub mod error;
 pub mod graph;
 pub mod kv;
 pub mod plugin;
+pub mod quant;
 pub mod rope;
 pub mod sample;
 pub mod scheduler;

@@ -152,9 +152,12 @@ fn sharded_checkpoint_loads_and_matches() {
 #[test]
 fn executor_rejects_bad_steps() {
     let cfg = ModelConfig::from_file(&golden_dir().join("config.json")).unwrap();
-    let mut m =
-        Model::load(CpuBackend::new(Some(1)).unwrap(), &golden_dir(), &ModelOptions { ctx: Some(32), dtype: None })
-            .unwrap();
+    let mut m = Model::load(
+        CpuBackend::new(Some(1)).unwrap(),
+        &golden_dir(),
+        &ModelOptions { ctx: Some(32), ..Default::default() },
+    )
+    .unwrap();
     let mut out = vec![0.0; cfg.vocab];
     let mut step = |tokens: &[u32], start: u32, out: &mut [f32]| {
         m.forward(&[SeqStep { seq_id: 1, tokens, start_pos: start, logits: LogitsMode::Last }], out)

@@ -241,6 +241,7 @@ pub unsafe fn open(
             ctx: (o.ctx_size > 0).then_some(o.ctx_size as usize),
             dtype,
             device: o.device,
+            quant: None,
         };
         let exec = (factory.open)(&path, &opts)?;
         let h = Box::into_raw(Box::new(Handle { exec, backend, poisoned: None }));

@@ -215,6 +215,13 @@ impl Plugin {
     /// Open the checkpoint directory `model` on this backend.
     pub fn open(self: &Arc<Self>, model: &Path, opts: &OpenOptions) -> Result<PluginExecutor> {
         let path = path_to_cstring(model)?;
+        if let Some(q) = opts.quant {
+            return Err(Error::unsupported(format!(
+                "quantizing at load ({}) is not available through a plugin (ABI v1 has no field for it); \
+                 write a quantized checkpoint with `spark-run quantize` and load that",
+                q.format
+            )));
+        }
         let to_u32 = |v: Option<usize>, what: &str| {
             u32::try_from(v.unwrap_or(0)).map_err(|_| Error::invalid(format!("{what} {} is too large", v.unwrap_or(0))))
         };

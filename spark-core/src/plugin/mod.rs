@@ -55,6 +55,9 @@ pub struct OpenOptions {
     pub dtype: Option<DType>,
     /// Device index from the probe.
     pub device: u32,
+    /// Quantize the checkpoint's float matrices at load (static backends only: the v1 C ABI
+    /// has no field for it, so a plugin refuses it; quantize the checkpoint on disk instead).
+    pub quant: Option<crate::quant::QuantSpec>,
 }
 
 /// Lists the devices a backend can see.

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use spark_core::chat::ChatTemplate;
 use spark_core::plugin::loader::{BackendSpec, Registry, SearchPath};
 use spark_core::plugin::{BackendFactory, OpenOptions};
+use spark_core::quant::{QFormat, QuantSpec};
 use spark_core::tokenizer::Tokenizer;
 use spark_core::{DType, Executor, ModelConfig};
 
@@ -95,6 +96,18 @@ pub fn dtype(args: &ModelArgs) -> Result<Option<DType>> {
     args.dtype.as_deref().map(DType::parse).transpose().map_err(|e| anyhow::anyhow!("--dtype: {e}"))
 }
 
+/// The `--quant` / `--quant-group` options.
+pub fn quant(args: &ModelArgs) -> Result<Option<QuantSpec>> {
+    let Some(f) = args.quant.as_deref() else {
+        if let Some(g) = args.quant_group {
+            anyhow::bail!("--quant-group {g} needs --quant int8|int4");
+        }
+        return Ok(None);
+    };
+    let format = QFormat::parse(f).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
+    Ok(Some(QuantSpec { format, group: args.quant_group }))
+}
+
 /// A model ready to run, with what surrounds it.
 pub struct Loaded {
     pub dir: PathBuf,
@@ -117,7 +130,13 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     if args.ctx_size == 0 {
         anyhow::bail!("--ctx-size: context size 0 is invalid (it must be at least 1)");
     }
-    let opts = OpenOptions { threads: args.threads, ctx: Some(args.ctx_size), dtype: dtype(args)?, device: 0 };
+    let opts = OpenOptions {
+        threads: args.threads,
+        ctx: Some(args.ctx_size),
+        dtype: dtype(args)?,
+        device: 0,
+        quant: quant(args)?,
+    };
     let choice = choice();
     let spec = BackendSpec::parse(&choice.backend)?;
     let chosen = registry().choose(&spec).context("--backend")?;

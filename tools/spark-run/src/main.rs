@@ -52,6 +52,14 @@ pub struct ModelArgs {
     /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Quantize a float checkpoint's matrices while loading: int8 (per output channel) or int4
+    /// (grouped, see --quant-group). Linked-in backends only; `spark-run quantize` writes a
+    /// quantized checkpoint instead.
+    #[arg(long)]
+    pub quant: Option<String>,
+    /// Group size for --quant int4 (32, 64 or 128; default 64) or int8 (default: whole row).
+    #[arg(long)]
+    pub quant_group: Option<usize>,
 }
 
 #[derive(Subcommand)]
