@@ -164,6 +164,15 @@ impl ModelConfig {
                 )));
             }
         }
+        if let Some(q) = obj.get("quantization_config").filter(|v| !v.is_null()) {
+            let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("?");
+            if method != "spark" {
+                return Err(Error::unsupported(format!(
+                    "config.json: quantization_config.quant_method '{method}' is not supported (spark reads its own \
+                     int8/int4 checkpoints written by `spark-run quantize`, and GGUF files)"
+                )));
+            }
+        }
         let hidden = usize_field(obj, "hidden_size")?;
         let intermediate = usize_field(obj, "intermediate_size")?;
         let n_layers = usize_field(obj, "num_hidden_layers")?;

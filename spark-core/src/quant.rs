@@ -26,6 +26,8 @@
 
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::weights::{Tensor, TensorBytes};
@@ -247,17 +249,16 @@ pub fn quantize(name: &str, rows: usize, cols: usize, values: &[f32], spec: Quan
     let rb = spec.format.row_bytes(cols);
     let mut q = vec![0u8; rows * rb];
     let mut scales = vec![0.0f32; rows * ng];
-    let mut qs = vec![0i8; group];
-    for r in 0..rows {
+    // Rows are independent: quantize them in parallel (the int4 scale search is the costly part).
+    q.par_chunks_mut(rb.max(1)).zip(scales.par_chunks_mut(ng.max(1))).enumerate().for_each(|(r, (qrow, srow))| {
         let row = &values[r * cols..(r + 1) * cols];
-        for g in 0..ng {
+        let mut qs = vec![0i8; group];
+        for (g, s_out) in srow.iter_mut().enumerate() {
             let x = &row[g * group..(g + 1) * group];
-            let s = match spec.format {
+            *s_out = match spec.format {
                 QFormat::I8 => quantize_group_i8(x, &mut qs),
                 QFormat::I4 => quantize_group_i4(x, &mut qs),
             };
-            scales[r * ng + g] = s;
-            let qrow = &mut q[r * rb..(r + 1) * rb];
             match spec.format {
                 QFormat::I8 => {
                     for (j, &v) in qs.iter().enumerate() {
@@ -273,7 +274,7 @@ pub fn quantize(name: &str, rows: usize, cols: usize, values: &[f32], spec: Quan
                 }
             }
         }
-    }
+    });
     let t = QTensor {
         name: name.to_string(),
         format: spec.format,
@@ -297,6 +298,14 @@ pub fn quantize_tensor(t: &Tensor, spec: QuantSpec) -> Result<QTensor> {
     quantize(&t.name, rows, cols, &t.to_f32(), spec)
 }
 
+/// Round to nearest (ties to even) for |x| < 2^22, in plain f32 arithmetic: `f32::round` is a
+/// library call, and the int4 scale search rounds every value ~20 times.
+#[inline(always)]
+fn rint(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    (x + MAGIC) - MAGIC
+}
+
 fn quantize_group_i8(x: &[f32], q: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
@@ -306,7 +315,7 @@ fn quantize_group_i8(x: &[f32], q: &mut [i8]) -> f32 {
     let s = amax / 127.0;
     let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        *o = rint(v * inv).clamp(-127.0, 127.0) as i8;
     }
     s
 }
@@ -315,7 +324,7 @@ fn err_i4(x: &[f32], s: f32) -> f32 {
     let inv = 1.0 / s;
     x.iter()
         .map(|&v| {
-            let d = v - s * (v * inv).round().clamp(-8.0, 7.0);
+            let d = v - s * rint(v * inv).clamp(-8.0, 7.0);
             d * d
         })
         .sum()
@@ -341,7 +350,7 @@ fn quantize_group_i4(x: &[f32], q: &mut [i8]) -> f32 {
     let s0 = best.1;
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for &v in x {
-        let qi = (v / s0).round().clamp(-8.0, 7.0) as f64;
+        let qi = rint(v / s0).clamp(-8.0, 7.0) as f64;
         num += v as f64 * qi;
         den += qi * qi;
     }
@@ -357,7 +366,7 @@ fn quantize_group_i4(x: &[f32], q: &mut [i8]) -> f32 {
     let s = best.1;
     let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v * inv).round().clamp(-8.0, 7.0) as i8;
+        *o = rint(v * inv).clamp(-8.0, 7.0) as i8;
     }
     s
 }

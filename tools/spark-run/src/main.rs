@@ -76,6 +76,8 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// Write a Spark-shaped checkpoint with random weights.
     GenRandom(commands::gen_random::GenRandomArgs),
+    /// Write an int8 or int4 quantized copy of a float checkpoint.
+    Quantize(commands::quantize::QuantizeArgs),
     /// List the backends found (linked in or plugins), their devices and scores, and why any
     /// known one is unusable.
     Backends(backends::BackendsArgs),
@@ -93,6 +95,7 @@ fn main() {
         Command::Info(a) => commands::info::run(a),
         Command::Bench(a) => commands::bench::run(a),
         Command::GenRandom(a) => commands::gen_random::run(a),
+        Command::Quantize(a) => commands::quantize::run(a),
         Command::Backends(a) => backends::run(a),
         Command::Serve(a) => commands::serve::run(a),
     };

@@ -6,4 +6,5 @@ pub mod gen_random;
 pub mod generate;
 pub mod info;
 pub mod logits;
+pub mod quantize;
 pub mod serve;
