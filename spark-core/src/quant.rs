@@ -236,66 +236,113 @@ pub fn quantize(name: &str, rows: usize, cols: usize, values: &[f32], spec: Quan
     if values.len() != rows * cols {
         return Err(Error::internal(format!("quantize '{name}': {} values for shape [{rows}, {cols}]", values.len())));
     }
-    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        return Err(Error::model(format!(
-            "cannot quantize '{name}': element {i} (row {}, col {}) is {}",
-            i / cols.max(1),
-            i % cols.max(1),
-            values[i]
-        )));
-    }
     let group = spec.group_for(name, cols)?;
-    let ng = cols / group;
-    let rb = spec.format.row_bytes(cols);
-    let mut q = vec![0u8; rows * rb];
-    let mut scales = vec![0.0f32; rows * ng];
-    // Rows are independent: quantize them in parallel (the int4 scale search is the costly part).
-    q.par_chunks_mut(rb.max(1)).zip(scales.par_chunks_mut(ng.max(1))).enumerate().for_each(|(r, (qrow, srow))| {
-        let row = &values[r * cols..(r + 1) * cols];
-        let mut qs = vec![0i8; group];
-        for (g, s_out) in srow.iter_mut().enumerate() {
-            let x = &row[g * group..(g + 1) * group];
-            *s_out = match spec.format {
-                QFormat::I8 => quantize_group_i8(x, &mut qs),
-                QFormat::I4 => quantize_group_i4(x, &mut qs),
-            };
-            match spec.format {
-                QFormat::I8 => {
-                    for (j, &v) in qs.iter().enumerate() {
-                        qrow[g * group + j] = v as u8;
-                    }
-                }
-                QFormat::I4 => {
-                    for (j, &v) in qs.iter().enumerate() {
-                        let c = g * group + j;
-                        let nib = (v as i32 + 8) as u8;
-                        qrow[c / 2] |= if c % 2 == 0 { nib } else { nib << 4 };
-                    }
-                }
-            }
-        }
-    });
+    let mut q = vec![0u8; rows * spec.format.row_bytes(cols)];
+    let mut scales = vec![0.0f32; rows * (cols / group)];
+    quantize_rows(name, 0, cols, group, spec.format, values, &mut q, &mut scales)?;
+    finish(name, rows, cols, group, spec.format, q, scales)
+}
+
+fn finish(
+    name: &str,
+    rows: usize,
+    cols: usize,
+    group: usize,
+    format: QFormat,
+    q: Vec<u8>,
+    s: Vec<f32>,
+) -> Result<QTensor> {
     let t = QTensor {
         name: name.to_string(),
-        format: spec.format,
+        format,
         rows,
         cols,
         group,
         q: TensorBytes::Owned(Arc::new(q)),
-        scales: Arc::new(scales),
+        scales: Arc::new(s),
         bias: None,
     };
     t.validate()?;
     Ok(t)
 }
 
-/// Quantize a float checkpoint tensor (`[rows, cols]`).
+/// Quantize whole rows `values` (starting at row `row0` of the matrix, for error messages) into
+/// `q` and `scales`, rows in parallel (the int4 scale search is the costly part).
+#[allow(clippy::too_many_arguments)]
+fn quantize_rows(
+    name: &str,
+    row0: usize,
+    cols: usize,
+    group: usize,
+    format: QFormat,
+    values: &[f32],
+    q: &mut [u8],
+    scales: &mut [f32],
+) -> Result<()> {
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(Error::model(format!(
+            "cannot quantize '{name}': element {} (row {}, col {}) is {}",
+            row0 * cols + i,
+            row0 + i / cols.max(1),
+            i % cols.max(1),
+            values[i]
+        )));
+    }
+    let ng = cols / group;
+    let rb = format.row_bytes(cols);
+    q.par_chunks_mut(rb.max(1)).zip(scales.par_chunks_mut(ng.max(1))).enumerate().for_each(|(r, (qrow, srow))| {
+        let row = &values[r * cols..(r + 1) * cols];
+        let mut qs = vec![0i8; group];
+        qrow.fill(0);
+        for (g, s_out) in srow.iter_mut().enumerate() {
+            let x = &row[g * group..(g + 1) * group];
+            *s_out = match format {
+                QFormat::I8 => quantize_group_i8(x, &mut qs),
+                QFormat::I4 => quantize_group_i4(x, &mut qs),
+            };
+            for (j, &v) in qs.iter().enumerate() {
+                let c = g * group + j;
+                match format {
+                    QFormat::I8 => qrow[c] = v as u8,
+                    QFormat::I4 => qrow[c / 2] |= ((v as i32 + 8) as u8) << (4 * (c % 2)),
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Quantize a float checkpoint tensor (`[rows, cols]`), decoding it to f32 a block of rows at a
+/// time so that no full f32 copy of a large matrix (the 131072-row embedding) is ever made.
 pub fn quantize_tensor(t: &Tensor, spec: QuantSpec) -> Result<QTensor> {
     let (rows, cols) = match t.shape.as_slice() {
         [r, c] => (*r, *c),
         s => return Err(Error::invalid(format!("cannot quantize '{}' of shape {s:?}: not a matrix", t.name))),
     };
-    quantize(&t.name, rows, cols, &t.to_f32(), spec)
+    let group = spec.group_for(&t.name, cols)?;
+    let (rb, ng) = (spec.format.row_bytes(cols), cols / group);
+    let mut q = vec![0u8; rows * rb];
+    let mut scales = vec![0.0f32; rows * ng];
+    let block = (1 << 20) / cols.max(1) + 1;
+    let bytes = t.bytes();
+    let es = t.dtype.size();
+    let mut vals = Vec::new();
+    for r0 in (0..rows).step_by(block) {
+        let r1 = (r0 + block).min(rows);
+        vals.clear();
+        crate::dtype::decode_into(t.dtype, &bytes[r0 * cols * es..r1 * cols * es], &mut vals);
+        quantize_rows(
+            &t.name,
+            r0,
+            cols,
+            group,
+            spec.format,
+            &vals,
+            &mut q[r0 * rb..r1 * rb],
+            &mut scales[r0 * ng..r1 * ng],
+        )?;
+    }
+    finish(&t.name, rows, cols, group, spec.format, q, scales)
 }
 
 /// Round to nearest (ties to even) for |x| < 2^22, in plain f32 arithmetic: `f32::round` is a
@@ -451,6 +498,26 @@ mod tests {
         y[100] = f32::NAN;
         let e = quantize("blk.w", 2, 96, &y, QuantSpec { format: QFormat::I8, group: None }).unwrap_err();
         assert!(e.message.contains("row 1") && e.message.contains("col 4"), "{e}");
+    }
+
+    #[test]
+    fn blockwise_tensor_quantization_equals_whole_matrix() {
+        let (r, c) = (40_000, 64); // more than two decode blocks of 2^20 values
+        let x: Vec<f32> = (0..r * c).map(|i| ((i * 2654435761usize % 2001) as f32 - 1000.0) / 997.0).collect();
+        let t = Tensor::from_f32("m", vec![r, c], DType::BF16, &x);
+        let xb = t.to_f32();
+        for spec in [QuantSpec { format: QFormat::I8, group: None }, QuantSpec { format: QFormat::I4, group: Some(32) }]
+        {
+            let a = quantize_tensor(&t, spec).unwrap();
+            let b = quantize("m", r, c, &xb, spec).unwrap();
+            assert_eq!(a.q.as_slice(), b.q.as_slice());
+            assert_eq!(a.scales, b.scales);
+        }
+        let mut y = xb.clone();
+        y[(r - 1) * c + 3] = f32::INFINITY;
+        let t = Tensor::from_f32("m", vec![r, c], DType::F32, &y);
+        let e = quantize_tensor(&t, QuantSpec { format: QFormat::I8, group: None }).unwrap_err();
+        assert!(e.message.contains(&format!("row {}", r - 1)) && e.message.contains("col 3"), "{e}");
     }
 
     #[test]

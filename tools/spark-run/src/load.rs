@@ -12,6 +12,7 @@ use spark_core::plugin::loader::{BackendSpec, Registry, SearchPath};
 use spark_core::plugin::{BackendFactory, OpenOptions};
 use spark_core::quant::{QFormat, QuantSpec};
 use spark_core::tokenizer::Tokenizer;
+use spark_core::weights::{Checkpoint, ModelWeights};
 use spark_core::{DType, Executor, ModelConfig};
 
 use crate::ModelArgs;
@@ -94,6 +95,15 @@ pub fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
 /// Parse `--dtype`.
 pub fn dtype(args: &ModelArgs) -> Result<Option<DType>> {
     args.dtype.as_deref().map(DType::parse).transpose().map_err(|e| anyhow::anyhow!("--dtype: {e}"))
+}
+
+/// The config and weights of a checkpoint (directory or .safetensors file), memory-mapped.
+pub fn open_weights(path: &Path) -> Result<(ModelConfig, ModelWeights)> {
+    let dir = if path.is_file() { path.parent().unwrap_or(Path::new(".")) } else { path };
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let ckpt = Checkpoint::open(path)?;
+    let w = ModelWeights::from_checkpoint(&ckpt, &cfg).with_context(|| path.display().to_string())?;
+    Ok((cfg, w))
 }
 
 /// The `--quant` / `--quant-group` options.

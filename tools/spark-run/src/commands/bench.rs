@@ -1,12 +1,20 @@
 //! `spark-run bench`: prefill (ppN) and decode (tgN) throughput, in llama-bench's spirit:
-//! each test repeated `-r` times, mean and standard deviation of tokens/s reported, plus the
-//! weight bytes a decode step reads.
+//! each test repeated `-r` times, mean and standard deviation of tokens/s reported; for decode
+//! the weight bytes one step reads and the share of the machine's measured read-bandwidth
+//! roofline; load time, peak and settled anonymous memory (RssAnon); and, with `--snr`, the logit
+//! SNR and greedy agreement of this (quantized) model against f32 on a fixed prompt.
+//! `--roofline` measures and prints the machine's read bandwidth and f32 FMA peak.
 
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
+use spark_core::quant::{snr_db, QuantSpec};
 use spark_core::sample::Xoshiro256;
+use spark_core::weights::{NamedRef, Weight};
 use spark_core::{LogitsMode, SeqStep};
 
 use crate::load;
@@ -25,9 +33,22 @@ pub struct BenchArgs {
     /// Repetitions.
     #[arg(short = 'r', long, default_value_t = 3)]
     pub reps: usize,
+    /// Sequences decoded together in the decode test (total tokens/s is reported).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
     /// One JSON object per test instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Only measure the machine: read bandwidth and f32 FMA peak on --threads.
+    #[arg(long)]
+    pub roofline: bool,
+    /// Also report the logit SNR (dB) and greedy agreement against an f32 reference on a fixed
+    /// 64-token prompt: the same checkpoint unquantized in f32 (with --quant), or --reference.
+    #[arg(long)]
+    pub snr: bool,
+    /// The f32 reference checkpoint for --snr (default: --model itself, without --quant).
+    #[arg(long)]
+    pub reference: Option<String>,
 }
 
 fn stats(v: &[f64]) -> (f64, f64) {
@@ -36,25 +57,154 @@ fn stats(v: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
+/// `RssAnon` of this process in bytes (0 where /proc is missing).
+pub fn rss_anon() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    s.lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |k| k * 1024)
+}
+
+/// Samples RssAnon every few milliseconds in a background thread and keeps the peak.
+struct PeakRss {
+    peak: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PeakRss {
+    fn start() -> PeakRss {
+        let peak = Arc::new(AtomicU64::new(rss_anon()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, s) = (peak.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                p.fetch_max(rss_anon(), Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        });
+        PeakRss { peak, stop, thread: Some(thread) }
+    }
+    fn stop(mut self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.peak.load(Ordering::Relaxed).max(rss_anon())
+    }
+}
+
+/// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
+/// norms included), and a precision label, from the checkpoint as it will be served.
+fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Result<(f64, String)> {
+    let (_, w) = load::open_weights(path)?;
+    let mut bytes = 0usize;
+    let mut kinds: Vec<String> = vec![];
+    let mut note = |k: String| {
+        if !kinds.contains(&k) {
+            kinds.push(k);
+        }
+    };
+    for (name, r) in w.named() {
+        let b = match r {
+            NamedRef::T(t) => t.bytes().len(),
+            NamedRef::W(Weight::Quant(q)) => {
+                let g = if q.group == q.cols { "ch".to_string() } else { format!("g{}", q.group) };
+                note(format!("{}-{g}", q.format));
+                q.nbytes()
+            }
+            NamedRef::W(Weight::Float(t)) => match quant {
+                Some(spec) if !name.ends_with("g_proj.weight") => {
+                    let (rows, cols) = (t.shape[0], t.shape[1]);
+                    let group = spec.group_for(&name, cols)?;
+                    let g = if group == cols { "ch".to_string() } else { format!("g{group}") };
+                    note(format!("{}-{g}", spec.format));
+                    rows * spec.format.row_bytes(cols) + 4 * rows * (cols / group)
+                }
+                _ => {
+                    if name.ends_with("g_proj.weight") || t.shape.len() == 1 {
+                        t.bytes().len()
+                    } else {
+                        note(compute.to_string());
+                        t.numel() * t.dtype.size()
+                    }
+                }
+            },
+        };
+        bytes += b;
+    }
+    let act = if kinds.iter().any(|k| k.starts_with("int")) { format!(" (act {compute})") } else { String::new() };
+    Ok((bytes as f64, format!("{}{act}", kinds.join("+"))))
+}
+
+/// Logits over a fixed prompt for every position.
+fn all_logits(exec: &mut dyn spark_core::Executor, ids: &[u32]) -> Result<Vec<f32>> {
+    let mut out = vec![0.0f32; ids.len() * exec.info().vocab];
+    exec.forward(&[SeqStep { seq_id: 9_000_001, tokens: ids, start_pos: 0, logits: LogitsMode::All }], &mut out)?;
+    exec.release(9_000_001);
+    Ok(out)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
+}
+
+#[cfg(feature = "cpu")]
+fn roofline(threads: usize) -> (f64, f64) {
+    (backend_cpu::roofline::read_bandwidth(threads, 1 << 30, 3), backend_cpu::roofline::fma_peak(threads))
+}
+
+#[cfg(not(feature = "cpu"))]
+fn roofline(_threads: usize) -> (f64, f64) {
+    (0.0, 0.0)
+}
+
+struct Row {
+    test: String,
+    mean: f64,
+    sd: f64,
+    batch: usize,
+    bytes_per_token: Option<f64>,
+    roofline_pct: Option<f64>,
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     anyhow::ensure!(a.reps > 0, "-r must be at least 1");
+    anyhow::ensure!(a.batch > 0, "--batch must be at least 1");
+    let threads = a.model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if a.roofline {
+        let (bw, peak) = roofline(threads);
+        anyhow::ensure!(bw > 0.0, "--roofline needs the CPU backend linked in (feature cpu)");
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"test": "roofline", "threads": threads, "read_bw_gb_s": bw / 1e9, "fma_peak_gflop_s": peak / 1e9})
+            );
+        } else {
+            println!("threads {threads}: read bandwidth {:.1} GB/s, f32 FMA peak {:.1} GFLOP/s", bw / 1e9, peak / 1e9);
+        }
+        return Ok(());
+    }
+    let rss0 = rss_anon();
+    let sampler = PeakRss::start();
     let mut l = load::load(&a.model)?;
+    let load_peak = sampler.stop();
     let cfg = l.config.clone();
     let info = l.exec.info();
-    anyhow::ensure!(a.prompt + a.n_gen < info.ctx, "-p + -n must fit in --ctx-size {}", info.ctx);
+    let need = a.prompt.max(a.n_gen + 1);
+    anyhow::ensure!(need < info.ctx, "-p and -n must fit in --ctx-size {}", info.ctx);
     let mut rng = Xoshiro256::new(42);
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
-    let mut logits = vec![0.0f32; cfg.vocab];
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
-    // Bytes of weights one decode step reads: every matrix once, plus the output head.
-    let per_layer = cfg.qkv_dim() * cfg.hidden
-        + cfg.n_heads * cfg.hidden
-        + cfg.hidden * cfg.q_dim()
-        + 3 * cfg.intermediate * cfg.hidden;
-    let bytes_per_token = ((per_layer * cfg.n_layers + cfg.vocab * cfg.hidden) * info.dtype.size()) as f64;
+    let quant = load::quant(&a.model)?;
+    let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name())?;
+    let (bw, _) = if a.n_gen > 0 { roofline(l.threads) } else { (0.0, 0.0) };
+
     let mut rows = vec![];
     let mut seq = 100u64;
     if a.prompt > 0 {
+        let mut logits = vec![0.0f32; cfg.vocab];
         let mut v = vec![];
         for _ in 0..a.reps {
             let ids: Vec<u32> = (0..a.prompt).map(|_| tok()).collect();
@@ -67,47 +217,130 @@ pub fn run(a: BenchArgs) -> Result<()> {
             v.push(a.prompt as f64 / t.elapsed().as_secs_f64());
             l.exec.release(seq);
         }
-        rows.push((format!("pp{}", a.prompt), stats(&v), None));
+        let (mean, sd) = stats(&v);
+        rows.push(Row {
+            test: format!("pp{}", a.prompt),
+            mean,
+            sd,
+            batch: 1,
+            bytes_per_token: None,
+            roofline_pct: None,
+        });
     }
     if a.n_gen > 0 {
+        let b = a.batch;
+        let mut logits = vec![0.0f32; cfg.vocab * b];
         let mut v = vec![];
         for _ in 0..a.reps {
-            seq += 1;
-            let first = [tok()];
-            l.exec.forward(
-                &[SeqStep { seq_id: seq, tokens: &first, start_pos: 0, logits: LogitsMode::Last }],
-                &mut logits,
-            )?;
+            let seqs: Vec<u64> = (0..b as u64).map(|i| seq + 1 + i).collect();
+            seq += b as u64;
+            let firsts: Vec<[u32; 1]> = (0..b).map(|_| [tok()]).collect();
+            let steps: Vec<SeqStep> = seqs
+                .iter()
+                .zip(&firsts)
+                .map(|(&s, f)| SeqStep { seq_id: s, tokens: f, start_pos: 0, logits: LogitsMode::Last })
+                .collect();
+            l.exec.forward(&steps, &mut logits)?;
             let t = Instant::now();
             for i in 0..a.n_gen {
-                let id = [tok()];
-                l.exec.forward(
-                    &[SeqStep { seq_id: seq, tokens: &id, start_pos: (i + 1) as u32, logits: LogitsMode::Last }],
-                    &mut logits,
-                )?;
+                let ids: Vec<[u32; 1]> = (0..b).map(|_| [tok()]).collect();
+                let steps: Vec<SeqStep> = seqs
+                    .iter()
+                    .zip(&ids)
+                    .map(|(&s, id)| SeqStep {
+                        seq_id: s,
+                        tokens: id,
+                        start_pos: (i + 1) as u32,
+                        logits: LogitsMode::Last,
+                    })
+                    .collect();
+                l.exec.forward(&steps, &mut logits)?;
             }
-            v.push(a.n_gen as f64 / t.elapsed().as_secs_f64());
-            l.exec.release(seq);
+            v.push((a.n_gen * b) as f64 / t.elapsed().as_secs_f64());
+            for s in seqs {
+                l.exec.release(s);
+            }
         }
-        rows.push((format!("tg{}", a.n_gen), stats(&v), Some(bytes_per_token)));
+        let (mean, sd) = stats(&v);
+        // A step reads the weights once for the whole batch.
+        let pct = (bw > 0.0).then(|| 100.0 * bytes_per_token * (mean / b as f64) / bw);
+        rows.push(Row {
+            test: format!("tg{}", a.n_gen),
+            mean,
+            sd,
+            batch: b,
+            bytes_per_token: Some(bytes_per_token),
+            roofline_pct: pct,
+        });
     }
-    if a.json {
-        for (test, (m, sd), bpt) in &rows {
-            println!(
-                "{}",
-                serde_json::json!({"model": model_name, "backend": info.backend, "precision": info.dtype.name(), "threads": l.threads, "simd": l.simd,
-                    "test": test, "tok_s_mean": m, "tok_s_sd": sd, "reps": a.reps, "bytes_per_token": bpt, "load_s": l.load_time.as_secs_f64()})
+    let settled = rss_anon();
+
+    // Fidelity against f32.
+    let mut snr = None;
+    if a.snr {
+        let mut r = Xoshiro256::new(7);
+        let ids: Vec<u32> = (0..64).map(|_| 3 + (r.next_u64() % (cfg.vocab as u64 - 3)) as u32).collect();
+        let test = all_logits(l.exec.as_mut(), &ids)?;
+        drop(l.exec);
+        let mut ref_args = a.model.clone();
+        ref_args.quant = None;
+        ref_args.quant_group = None;
+        ref_args.dtype = Some("f32".into());
+        if let Some(p) = &a.reference {
+            ref_args.model = Some(p.clone());
+        } else {
+            anyhow::ensure!(
+                quant.is_some(),
+                "--snr needs --quant (compare against the same checkpoint in f32) or --reference PATH"
             );
+        }
+        let mut rl = load::load(&ref_args).context("loading the f32 reference for --snr")?;
+        let reference = all_logits(rl.exec.as_mut(), &ids)?;
+        let v = cfg.vocab;
+        let agree = (0..ids.len())
+            .filter(|&i| argmax(&test[i * v..(i + 1) * v]) == argmax(&reference[i * v..(i + 1) * v]))
+            .count();
+        snr = Some((snr_db(&reference, &test), agree, ids.len()));
+    }
+
+    let gb = |b: u64| b as f64 / 1e9;
+    if a.json {
+        for r in &rows {
+            let mut o = serde_json::json!({"model": model_name, "backend": info.backend, "simd": l.simd,
+                "precision": precision, "dtype": info.dtype.name(), "threads": l.threads, "test": r.test,
+                "batch": r.batch, "tok_s_mean": r.mean, "tok_s_sd": r.sd, "reps": a.reps,
+                "bytes_per_token": r.bytes_per_token, "roofline_pct": r.roofline_pct,
+                "read_bw_gb_s": (bw > 0.0).then_some(bw / 1e9), "load_s": l.load_time.as_secs_f64(),
+                "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0))});
+            if let Some((s, ag, n)) = snr {
+                o["logit_snr_db"] = serde_json::json!(s);
+                o["greedy_agree"] = serde_json::json!(ag as f64 / n as f64);
+            }
+            println!("{o}");
         }
     } else {
-        println!("| model | backend | precision | threads | test | tok/s | GB/s of weights |");
-        println!("| --- | --- | --- | ---: | --- | ---: | ---: |");
-        for (test, (m, sd), bpt) in &rows {
-            let bw = bpt.map(|b| format!("{:.1}", b * m / 1e9)).unwrap_or_else(|| "-".into());
+        println!("| model | backend | precision | threads | test | tok/s | GB/s of weights | roofline |");
+        println!("| --- | --- | --- | ---: | --- | ---: | ---: | ---: |");
+        for r in &rows {
+            let bw_s =
+                r.bytes_per_token.map(|b| format!("{:.1}", b * r.mean / r.batch as f64 / 1e9)).unwrap_or("-".into());
+            let pct = r.roofline_pct.map(|p| format!("{p:.0}%")).unwrap_or("-".into());
+            let test = if r.batch > 1 { format!("{} x{}", r.test, r.batch) } else { r.test.clone() };
             println!(
-                "| {model_name} | {} ({}) | {} | {} | {test} | {m:.2} ± {sd:.2} | {bw} |",
-                info.backend, l.simd, info.dtype, l.threads
+                "| {model_name} | {} ({}) | {precision} | {} | {test} | {:.2} ± {:.2} | {bw_s} | {pct} |",
+                info.backend, l.simd, l.threads, r.mean, r.sd
             );
+        }
+        println!(
+            "\nload {:.2} s; RssAnon peak {:.2} GB, settled {:.2} GB; weights read per decode step {:.2} GB{}",
+            l.load_time.as_secs_f64(),
+            gb(load_peak.saturating_sub(rss0)),
+            gb(settled.saturating_sub(rss0)),
+            bytes_per_token / 1e9,
+            if bw > 0.0 { format!("; measured read bandwidth {:.1} GB/s", bw / 1e9) } else { String::new() }
+        );
+        if let Some((s, ag, n)) = snr {
+            println!("fidelity vs f32 on a fixed {n}-token prompt: logit SNR {s:.1} dB, greedy agreement {ag}/{n}");
         }
     }
     Ok(())

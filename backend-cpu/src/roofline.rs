@@ -1,0 +1,140 @@
+//! The machine's ceilings, measured: memory read bandwidth (what bounds a decode step) and the
+//! f32 FMA peak (what bounds a float prefill), both on a given number of threads. `spark-run
+//! bench` reports decode speed as a share of the first; `spark-run bench --roofline` prints both.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::kernels::Simd;
+
+/// Bytes per second of a streaming read of a buffer much larger than the caches, on `threads`
+/// threads (best of `reps` passes over `bytes`).
+pub fn read_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
+    let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() {
+        Ok(p) => p,
+        Err(_) => return 0.0,
+    };
+    let n = bytes / 8;
+    let buf: Vec<u64> = pool.install(|| (0..n).into_par_iter().map(|i| i as u64).collect());
+    let per = n.div_ceil(threads.max(1));
+    let mut best = 0.0f64;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let s: u64 = pool.install(|| buf.par_chunks(per).map(sum_chunk).sum());
+        let dt = t.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.max((n * 8) as f64 / dt);
+    }
+    best
+}
+
+/// Sum with eight independent accumulators (so the loads, not the adds, set the pace).
+fn sum_chunk(c: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut it = c.chunks_exact(8);
+    for b in &mut it {
+        for (a, &v) in acc.iter_mut().zip(b) {
+            *a = a.wrapping_add(v);
+        }
+    }
+    acc.iter().fold(it.remainder().iter().fold(0u64, |s, &v| s.wrapping_add(v)), |s, &v| s.wrapping_add(v))
+}
+
+/// f32 FLOP/s of fused multiply-adds at the widest SIMD level this CPU runs, on `threads`
+/// threads.
+pub fn fma_peak(threads: usize) -> f64 {
+    let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() {
+        Ok(p) => p,
+        Err(_) => return 0.0,
+    };
+    let simd = Simd::detect();
+    let iters = 20_000_000usize;
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let flops: f64 = pool.install(|| {
+            (0..threads.max(1)).into_par_iter().map(|i| fma_loop(simd, iters, i as f32 * 1e-9)).sum::<f64>()
+        });
+        best = best.max(flops / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// Run `iters` rounds of 10 independent FMA chains; returns the FLOPs done.
+fn fma_loop(simd: Simd, iters: usize, seed: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd >= Simd::Avx512 {
+            // SAFETY: Simd::Avx512 is only detected with AVX-512F present.
+            let r = unsafe { fma512(iters, seed) };
+            std::hint::black_box(r);
+            return (iters * 10 * 16 * 2) as f64;
+        }
+        if simd >= Simd::Avx2 {
+            // SAFETY: Simd::Avx2 is only detected with AVX2 and FMA present.
+            let r = unsafe { fma256(iters, seed) };
+            std::hint::black_box(r);
+            return (iters * 10 * 8 * 2) as f64;
+        }
+    }
+    let _ = simd;
+    let mut a = [seed; 10];
+    for _ in 0..iters / 8 {
+        for x in a.iter_mut() {
+            *x = x.mul_add(0.999_999, 1e-7);
+        }
+    }
+    std::hint::black_box(a);
+    ((iters / 8) * 10 * 2) as f64
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma256(iters: usize, seed: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm256_set1_ps(0.999_999);
+    let c = _mm256_set1_ps(1e-7);
+    let mut a = [_mm256_set1_ps(seed); 10];
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, m, c);
+        }
+    }
+    let mut s = _mm256_setzero_ps();
+    for x in a {
+        s = _mm256_add_ps(s, x);
+    }
+    _mm256_cvtss_f32(s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma512(iters: usize, seed: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let m = _mm512_set1_ps(0.999_999);
+    let c = _mm512_set1_ps(1e-7);
+    let mut a = [_mm512_set1_ps(seed); 10];
+    for _ in 0..iters {
+        for x in a.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, m, c);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for x in a {
+        s = _mm512_add_ps(s, x);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measurements_are_positive_and_finite() {
+        let bw = read_bandwidth(1, 8 << 20, 1);
+        assert!(bw.is_finite() && bw > 1e8, "{bw}");
+        assert_eq!(sum_chunk(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]), 66);
+    }
+}
