@@ -97,7 +97,7 @@ impl PeakRss {
 
 /// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
 /// norms included), and a precision label, from the checkpoint as it will be served.
-fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Result<(f64, String)> {
+pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Result<(f64, String)> {
     let (_, w) = load::open_weights(path)?;
     let mut bytes = 0usize;
     let mut kinds: Vec<String> = vec![];

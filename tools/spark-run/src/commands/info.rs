@@ -50,11 +50,25 @@ pub fn run(a: InfoArgs) -> Result<()> {
     println!("parameters  {} ({:.3} B)", cfg.param_count(), cfg.param_count() as f64 / 1e9);
     println!("\nmemory plan (compute dtype {dtype}, context {ctx}):");
     let weights = ckpt.total_bytes as f64;
-    let converted = if dtype != stored { cfg.param_count() as f64 * dtype.size() as f64 } else { 0.0 };
-    println!("  weights (mapped, {} stored)   {}", stored, mib(weights));
+    let quant = load::quant(&a.model)?;
+    let (served, precision) = super::bench::weight_plan(&dir, quant, dtype.name())?;
+    let quantized = quant.is_some() || !ckpt.ints.is_empty();
+    let converted = if dtype != stored && !quantized { cfg.param_count() as f64 * dtype.size() as f64 } else { 0.0 };
+    println!(
+        "  weights (mapped, {} stored)   {}",
+        if ckpt.ints.is_empty() { stored.name() } else { "quantized" },
+        mib(weights)
+    );
     if converted > 0.0 {
         println!("  weights converted to {dtype}       {} (anonymous memory)", mib(converted));
     }
+    if quantized {
+        println!(
+            "  weights as served ({precision})   {} (repacked for the kernels: anonymous memory; one matrix at a time while loading)",
+            mib(served)
+        );
+    }
+    println!("  weights read per decode step   {}", mib(served));
     let kv_dtype = if dtype == DType::BF16 { DType::BF16 } else { DType::F32 };
     for t in [LayerType::Sliding, LayerType::Full] {
         let s = KvSpec::for_layer(&cfg, t, ctx, kv_dtype);
