@@ -5,7 +5,8 @@
 #   scripts/bench-vs-llamacpp.sh MODEL_DIR MODEL.gguf THREADS [RUNS] [PP] [TG]
 #
 # MODEL_DIR is the safetensors checkpoint spark-run reads, MODEL.gguf the same weights converted
-# with `scripts/llamacpp-peer.sh convert`. Needs target/release/spark-run and the llama.cpp peer
+# with `scripts/llamacpp-peer.sh convert` (and `llama-quantize` for Q8_0 / Q4_K_M). SPARK_ARGS
+# adds options to spark-run bench (e.g. SPARK_ARGS="--quant int8" beside a Q8_0 file). Needs target/release/spark-run and the llama.cpp peer
 # built by `scripts/llamacpp-peer.sh build` (PEER_DIR, default /work/peer).
 set -euo pipefail
 model=${1:?MODEL_DIR}; gguf=${2:?MODEL.gguf}; t=${3:?THREADS}; runs=${4:-3}; pp=${5:-512}; tg=${6:-128}
@@ -14,7 +15,8 @@ spark=${SPARK_RUN:-$here/target/release/spark-run}
 bench=${PEER_DIR:-/work/peer}/llama-build/bin/llama-bench
 out=$(mktemp -d)
 for i in $(seq "$runs"); do
-  "$spark" bench --model "$model" -p "$pp" -n "$tg" -r 1 -t "$t" --json >>"$out/spark.jsonl"
+  # shellcheck disable=SC2086
+  "$spark" bench --model "$model" -p "$pp" -n "$tg" -r 1 -t "$t" --json ${SPARK_ARGS:-} >>"$out/spark.jsonl"
   "$bench" -m "$gguf" -p "$pp" -n "$tg" -r 1 -t "$t" -o jsonl >>"$out/llama.jsonl" 2>/dev/null
 done
 python3 - "$out" "$pp" "$tg" <<'PY'
