@@ -413,16 +413,17 @@ fn spark_run_with_the_cpu_plugin_reproduces_the_golden_greedy_ids() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), want);
     }
-    // By name: cpu is linked in; cuda is nowhere; a plugin found by name on --plugin-dir.
+    // By name: cpu is linked in; qnn is nowhere (no backend-qnn yet); a plugin found by name on
+    // --plugin-dir (a name no linked-in backend has, so the plugin is not shadowed).
     let out = spark_run().args(gen).args(greedy).args(["--backend", "cpu"]).output().unwrap();
     assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), want);
-    let out = spark_run().args(["--backend", "cuda"]).args(gen).output().unwrap();
+    let out = spark_run().args(["--backend", "qnn"]).args(gen).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains(&format!("cuda: no plugin {} found in [", plugin_file_name("cuda"))), "{err}");
+    assert!(err.contains(&format!("qnn: no plugin {} found in [", plugin_file_name("qnn"))), "{err}");
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(test_plugin("bad_abi"), dir.path().join(plugin_file_name("wgpu"))).unwrap();
-    let out = spark_run().args(["--backend", "wgpu", "--plugin-dir"]).arg(dir.path()).args(gen).output().unwrap();
+    std::fs::copy(test_plugin("bad_abi"), dir.path().join(plugin_file_name("badabi"))).unwrap();
+    let out = spark_run().args(["--backend", "badabi", "--plugin-dir"]).arg(dir.path()).args(gen).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("speaks ABI version 999"), "{err}");
     for bad in ["/no/such/libspark_backend_x.so", "Not A Name"] {
@@ -435,9 +436,9 @@ fn spark_run_with_the_cpu_plugin_reproduces_the_golden_greedy_ids() {
 #[test]
 fn spark_run_backends_lists_what_it_finds_and_why_the_rest_is_unusable() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(test_plugin("bad_abi"), dir.path().join(plugin_file_name("wgpu"))).unwrap();
+    std::fs::copy(test_plugin("bad_abi"), dir.path().join(plugin_file_name("badabi"))).unwrap();
     std::fs::copy(test_plugin("panicky"), dir.path().join(plugin_file_name("panicky"))).unwrap();
-    std::fs::write(dir.path().join(plugin_file_name("qnn")), "text, not a library").unwrap();
+    std::fs::write(dir.path().join(plugin_file_name("junk")), "text, not a library").unwrap();
     let out = spark_run().arg("backends").arg("--plugin-dir").arg(dir.path()).output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -448,9 +449,9 @@ fn spark_run_backends_lists_what_it_finds_and_why_the_rest_is_unusable() {
         "shadowed by the static cpu backend".to_string(),
         format!("panicky ({}, ABI 1)", d.join(plugin_file_name("panicky")).display()),
         "device 0: nothing [panics] score 1".to_string(),
-        format!("cuda: no plugin {} found in [{}", plugin_file_name("cuda"), dir.path().display()),
+        format!("qnn: no plugin {} found in [{}", plugin_file_name("qnn"), dir.path().display()),
         "speaks ABI version 999, but this spark speaks ABI version 1".to_string(),
-        format!("qnn ({}): unusable: cannot load backend plugin", dir.path().join(plugin_file_name("qnn")).display()),
+        format!("junk ({}): unusable: cannot load backend plugin", dir.path().join(plugin_file_name("junk")).display()),
         "auto: cpu (static), device 0".to_string(),
     ] {
         assert!(text.contains(&want), "missing '{want}' in:\n{text}");
@@ -461,5 +462,5 @@ fn spark_run_backends_lists_what_it_finds_and_why_the_rest_is_unusable() {
     for line in text.lines() {
         serde_json::from_str::<serde_json::Value>(line).unwrap();
     }
-    assert!(text.contains("\"backend\":\"cuda\""), "{text}");
+    assert!(text.contains("\"backend\":\"qnn\""), "{text}");
 }
