@@ -63,7 +63,12 @@ pub struct Model<B: Backend> {
 
 impl<B: Backend> Model<B> {
     /// Load `config.json` and the safetensors of a checkpoint directory.
+    /// A `.gguf` file (see [`crate::gguf`]) is loaded as well.
     pub fn load(backend: B, dir: &Path, opts: &ModelOptions) -> Result<Self> {
+        if crate::gguf::is_gguf(dir) {
+            let (cfg, weights) = crate::gguf::load(dir)?;
+            return Self::new(backend, cfg, &weights, opts);
+        }
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         let weights = ModelWeights::from_checkpoint(&ckpt, &cfg)

@@ -3,6 +3,8 @@
 //! - [`config`]: `config.json` -> validated [`config::ModelConfig`].
 //! - [`dtype`], [`weights`]: memory-mapped safetensors (single or sharded) as named tensor views.
 //! - [`quant`]: int8/int4 quantized matrices, their reference (de)quantization and storage.
+//! - [`gguf`]: llama.cpp GGUF files (`spark2_5`): config, weights (quantized kinds converted
+//!   losslessly to [`quant`] matrices), tokenizer and chat template.
 //! - [`backend`]: the op-level `Backend` trait and the step-level `Executor` trait.
 //! - [`graph`]: THE hybrid decoder, written once over any `Backend`.
 //! - [`kv`]: KV-cache layout (sliding layers a ring of `window`, full layers grow) and accounting.
@@ -19,6 +21,7 @@ pub mod config;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod gguf;
 pub mod graph;
 pub mod kv;
 pub mod plugin;

@@ -184,7 +184,7 @@ impl QTensor {
             QFormat::I8 => row[c] as i8 as i32,
             QFormat::I4 => {
                 let b = row[c / 2];
-                (if c % 2 == 0 { b & 0xF } else { b >> 4 }) as i32 - 8
+                ((b >> (4 * (c & 1))) & 0xF) as i32 - 8
             }
         }
     }

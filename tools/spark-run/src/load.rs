@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
 use spark_core::chat::ChatTemplate;
+use spark_core::gguf::{is_gguf, GgufFile};
 use spark_core::plugin::loader::{BackendSpec, Registry, SearchPath};
 use spark_core::plugin::{BackendFactory, OpenOptions};
 use spark_core::quant::{QFormat, QuantSpec};
@@ -48,6 +49,10 @@ pub fn static_backends() -> Vec<BackendFactory> {
     vec![
         #[cfg(feature = "cpu")]
         backend_cpu::plugin::FACTORY,
+        #[cfg(feature = "cuda")]
+        backend_cuda::plugin::FACTORY,
+        #[cfg(feature = "wgpu")]
+        backend_wgpu::plugin::FACTORY,
     ]
 }
 
@@ -97,8 +102,11 @@ pub fn dtype(args: &ModelArgs) -> Result<Option<DType>> {
     args.dtype.as_deref().map(DType::parse).transpose().map_err(|e| anyhow::anyhow!("--dtype: {e}"))
 }
 
-/// The config and weights of a checkpoint (directory or .safetensors file), memory-mapped.
+/// The config and weights of a checkpoint (directory, .safetensors or .gguf file), memory-mapped.
 pub fn open_weights(path: &Path) -> Result<(ModelConfig, ModelWeights)> {
+    if is_gguf(path) {
+        return Ok(spark_core::gguf::load(path)?);
+    }
     let dir = if path.is_file() { path.parent().unwrap_or(Path::new(".")) } else { path };
     let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(path)?;
@@ -153,9 +161,13 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     for s in &chosen.skipped {
         eprintln!("warning: skipped backend {s}");
     }
-    let model_dir = if dir.is_file() { dir.parent().unwrap_or(Path::new(".")).to_path_buf() } else { dir.clone() };
+    // A .gguf file is the model itself (config, weights, tokenizer and template inside).
+    let gguf = is_gguf(&dir);
+    let model_dir =
+        if dir.is_file() && !gguf { dir.parent().unwrap_or(Path::new(".")).to_path_buf() } else { dir.clone() };
     let exec = chosen.open(&model_dir, &opts).with_context(|| format!("loading {}", dir.display()))?;
-    let config = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let config =
+        if gguf { GgufFile::open(&dir)?.config()? } else { ModelConfig::from_file(&model_dir.join("config.json"))? };
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     Ok(Loaded {
         dir: model_dir,
@@ -169,6 +181,9 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
 
 /// The checkpoint's tokenizer, or an error saying how to do without one.
 pub fn tokenizer(dir: &Path) -> Result<Tokenizer> {
+    if is_gguf(dir) {
+        return Ok(GgufFile::open(dir)?.tokenizer()?);
+    }
     let p = dir.join("tokenizer.json");
     if !p.exists() {
         anyhow::bail!("{} has no tokenizer.json: give token ids with --ids and use --print-ids", dir.display());
@@ -178,6 +193,9 @@ pub fn tokenizer(dir: &Path) -> Result<Tokenizer> {
 
 /// The checkpoint's chat template, or the built-in Spark-X2.5 one.
 pub fn chat_template(dir: &Path) -> Result<ChatTemplate> {
+    if is_gguf(dir) {
+        return Ok(GgufFile::open(dir)?.chat_template().unwrap_or(ChatTemplate::Builtin));
+    }
     ChatTemplate::for_model_dir(dir)
 }
 

@@ -4,6 +4,7 @@
 use anyhow::Result;
 use clap::Args;
 use spark_core::config::{LayerType, ModelConfig};
+use spark_core::gguf::{is_gguf, GgufFile};
 use spark_core::kv::{sequence_kv_bytes, KvSpec};
 use spark_core::weights::Checkpoint;
 use spark_core::DType;
@@ -27,10 +28,23 @@ fn mib(b: f64) -> String {
 
 pub fn run(a: InfoArgs) -> Result<()> {
     let dir = load::model_dir(&a.model)?;
-    let dir = if dir.is_file() { dir.parent().map(|p| p.to_path_buf()).unwrap_or_default() } else { dir };
-    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-    let ckpt = Checkpoint::open(&dir)?;
-    let stored = ckpt.tensors.get("model.embedding.weight").map(|t| t.dtype).unwrap_or(cfg.dtype);
+    // A GGUF file holds the config; its tensors are summarised by ggml type below.
+    let gguf = if is_gguf(&dir) { Some(GgufFile::open(&dir)?) } else { None };
+    let dir =
+        if dir.is_file() && gguf.is_none() { dir.parent().map(|p| p.to_path_buf()).unwrap_or_default() } else { dir };
+    let (cfg, stored, total_bytes) = match &gguf {
+        Some(g) => {
+            let cfg = g.config()?;
+            let stored = g.tensor("token_embd.weight").and_then(|t| t.kind.float()).unwrap_or(cfg.dtype);
+            (cfg, stored, g.data_bytes() as u64)
+        }
+        None => {
+            let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+            let ckpt = Checkpoint::open(&dir)?;
+            let stored = ckpt.tensors.get("model.embedding.weight").map(|t| t.dtype).unwrap_or(cfg.dtype);
+            (cfg, stored, ckpt.total_bytes)
+        }
+    };
     let dtype = load::dtype(&a.model)?.unwrap_or(stored);
     let ctx = a.model.ctx_size;
     let n_s = cfg.count_layers(LayerType::Sliding);
@@ -49,16 +63,22 @@ pub fn run(a: InfoArgs) -> Result<()> {
     println!("gate        head-wise {:?}; GELU (erf); rms eps {:e}", cfg.gate_act, cfg.rms_eps);
     println!("parameters  {} ({:.3} B)", cfg.param_count(), cfg.param_count() as f64 / 1e9);
     println!("\nmemory plan (compute dtype {dtype}, context {ctx}):");
-    let weights = ckpt.total_bytes as f64;
+    let weights = total_bytes as f64;
     let quant = load::quant(&a.model)?;
     let (served, precision) = super::bench::weight_plan(&dir, quant, dtype.name())?;
-    let quantized = quant.is_some() || !ckpt.ints.is_empty();
+    let quantized = precision.contains("int");
     let converted = if dtype != stored && !quantized { cfg.param_count() as f64 * dtype.size() as f64 } else { 0.0 };
     println!(
         "  weights (mapped, {} stored)   {}",
-        if ckpt.ints.is_empty() { stored.name() } else { "quantized" },
+        if quantized && quant.is_none() { "quantized".to_string() } else { stored.to_string() },
         mib(weights)
     );
+    if let Some(g) = &gguf {
+        println!("  GGUF v{} tensors by type (quantized ones are converted to int8/int4 at load):", g.version);
+        for (kind, (n, bytes)) in g.kinds_summary() {
+            println!("    {:<8} {:>4} tensors  {}", kind.name(), n, mib(bytes as f64));
+        }
+    }
     if converted > 0.0 {
         println!("  weights converted to {dtype}       {} (anonymous memory)", mib(converted));
     }

@@ -1,0 +1,375 @@
+// spark CUDA kernels: compiled at run time by NVRTC (or loaded from the bundled PTX, generated
+// from this file), with no headers. Every op mirrors backend-cpu exactly: f32 math, and where the
+// reference casts to the compute dtype the result is rounded (`mode` 0 = f32, no rounding;
+// 1 = bf16, round to nearest even). Activations are f32 row-major [rows, cols]; weights and KV
+// caches are f32 or bf16 (stored as unsigned short).
+//
+// Launch shapes (the Rust side, kernels.rs and lib.rs, must match these signatures exactly):
+// - row kernels (embed, rms_norm, rope, head_gate, gather_rows): one block per row, any
+//   blockDim that is a multiple of 32 (256 is used).
+// - elementwise kernels: a grid-stride loop over `n` elements.
+// - attention: see the comment above attn_stats.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define SPARK_NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
+
+// Round to nearest even, NaN kept quiet: the same bits as half::bf16::from_f32.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float rnd(float x, int mode) { return mode == 1 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float s[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) s[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? s[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) s[0] = t;
+    }
+    __syncthreads();
+    return s[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row kernels (grid.x = rows).
+
+// out[r, :] = table[ids[r], :] as f32.
+extern "C" __global__ void embed_f32(const float* table, const u32* ids, float* out, u32 cols) {
+    const float* src = table + (u64)ids[blockIdx.x] * cols;
+    float* dst = out + (u64)blockIdx.x * cols;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
+}
+
+extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* ids, float* out, u32 cols) {
+    const bf16_t* src = table + (u64)ids[blockIdx.x] * cols;
+    float* dst = out + (u64)blockIdx.x * cols;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = bf16_to_f32(src[j]);
+}
+
+// out = rnd(w * (x * (1 / sqrt(mean(x^2) + eps)))), as ops::rms_norm.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, u32 cols, float eps, int mode) {
+    const float* xr = x + (u64)blockIdx.x * cols;
+    float* orow = out + (u64)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
+    ss = block_sum(ss) / (float)cols;
+    const float r = 1.0f / sqrtf(ss + eps);
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) orow[j] = rnd(w[j] * (xr[j] * r), mode);
+}
+
+// NeoX rotation of the first 2*half dims of each of the first n_rot_heads heads of row r, at
+// position pos[r] (cos/sin tables [positions, half]), as ops::rope_head.
+extern "C" __global__ void rope(float* qkv, const u32* pos, const float* cos_t, const float* sin_t, u32 cols,
+                                u32 n_rot_heads, u32 head_dim, u32 half, int mode) {
+    float* row = qkv + (u64)blockIdx.x * cols;
+    const float* c = cos_t + (u64)pos[blockIdx.x] * half;
+    const float* s = sin_t + (u64)pos[blockIdx.x] * half;
+    for (u32 t = threadIdx.x; t < n_rot_heads * half; t += blockDim.x) {
+        const u32 h = t / half, j = t % half;
+        float* x = row + h * head_dim;
+        const float a = x[j], b = x[j + half];
+        x[j] = rnd(a * c[j] - b * s[j], mode);
+        x[j + half] = rnd(b * c[j] + a * s[j], mode);
+    }
+}
+
+// attn[r, h*D + d] = rnd(attn * rnd(act(g[r, h]))), act 0 = sigmoid, 1 = silu; as ops::head_gate.
+extern "C" __global__ void head_gate(float* attn, const float* g, u32 n_heads, u32 head_dim, int act, int mode) {
+    float* a = attn + (u64)blockIdx.x * n_heads * head_dim;
+    const float* gr = g + (u64)blockIdx.x * n_heads;
+    for (u32 t = threadIdx.x; t < n_heads * head_dim; t += blockDim.x) {
+        const float gv = gr[t / head_dim];
+        const float e = 1.0f + expf(-gv);
+        const float s = rnd(act == 0 ? 1.0f / e : gv / e, mode);
+        a[t] = rnd(a[t] * s, mode);
+    }
+}
+
+// out[i, :] = x[rows[i], :].
+extern "C" __global__ void gather_rows(const float* x, const u32* rows, float* out, u32 cols) {
+    const float* src = x + (u64)rows[blockIdx.x] * cols;
+    float* dst = out + (u64)blockIdx.x * cols;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise kernels (grid-stride over n).
+
+#define GRID_STRIDE(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+// out = rnd(rnd(gelu_erf(g)) * u), gelu_erf(x) = 0.5 x (1 + erf(x / sqrt 2)); as ops::geglu.
+extern "C" __global__ void geglu(const float* g, const float* u, float* out, u64 n, int mode) {
+    GRID_STRIDE(i, n) {
+        const float x = g[i];
+        const float ge = 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
+        out[i] = rnd(rnd(ge, mode) * u[i], mode);
+    }
+}
+
+// h += x.
+extern "C" __global__ void add_inplace(float* h, const float* x, u64 n) {
+    GRID_STRIDE(i, n) h[i] += x[i];
+}
+
+// x = rnd(x) in place (the rounding of a GEMM's f32 output).
+extern "C" __global__ void round_inplace(float* x, u64 n, int mode) {
+    GRID_STRIDE(i, n) x[i] = rnd(x[i], mode);
+}
+
+// out = bf16(x) (GEMM input; exact, as the activations are already rounded to bf16).
+extern "C" __global__ void f32_to_bf16_kernel(const float* x, bf16_t* out, u64 n) {
+    GRID_STRIDE(i, n) out[i] = f32_to_bf16(x[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fallback GEMM, used only where cuBLAS is missing (slow but simple): out[t, r] = rnd(sum_j
+// x[t, j] * W[r, j]) for x [n, k] f32 and W [m, k]. One warp per output; 8 warps per block
+// (blockDim.x = 256) cover 8 consecutive r; grid = (ceil(m / 8), min(n, 65535)), looping over t.
+
+template <typename T> __device__ __forceinline__ float ld(const T* p, u64 i);
+template <> __device__ __forceinline__ float ld<float>(const float* p, u64 i) { return p[i]; }
+template <> __device__ __forceinline__ float ld<bf16_t>(const bf16_t* p, u64 i) { return bf16_to_f32(p[i]); }
+
+template <typename T>
+__device__ void matmul_warp(const float* x, const T* w, float* out, u32 n, u32 k, u32 m, int mode) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 r = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (r >= m) return;
+    const T* wr = w + (u64)r * k;
+    for (u32 t = blockIdx.y; t < n; t += gridDim.y) {
+        const float* xr = x + (u64)t * k;
+        float acc = 0.0f;
+        for (u32 j = lane; j < k; j += 32) acc += xr[j] * ld<T>(wr, j);
+        acc = warp_sum(acc);
+        if (lane == 0) out[(u64)t * m + r] = rnd(acc, mode);
+    }
+}
+
+extern "C" __global__ void matmul_f32w(const float* x, const float* w, float* out, u32 n, u32 k, u32 m, int mode) {
+    matmul_warp<float>(x, w, out, n, k, m, mode);
+}
+
+extern "C" __global__ void matmul_bf16w(const float* x, const bf16_t* w, float* out, u32 n, u32 k, u32 m, int mode) {
+    matmul_warp<bf16_t>(x, w, out, n, k, m, mode);
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV cache append: positions first..end of a chunk (rows row0 + pos - start of the fused QKV
+// activations) into the cache, slot = pos % ring for a ring (ring > 0), else pos.
+// grid.x = end - first, threads over kvd.
+
+extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 qkv_cols, u32 row0, u32 start,
+                                     u32 first, u32 qd, u32 kvd, u32 ring, int kv_bf16) {
+    const u32 pos = first + blockIdx.x;
+    const float* src = qkv + (u64)(row0 + pos - start) * qkv_cols + qd;
+    const u64 slot = ring ? (u64)(pos % ring) : (u64)pos;
+    for (u32 e = threadIdx.x; e < kvd; e += blockDim.x) {
+        const float kx = src[e], vx = src[kvd + e];
+        if (kv_bf16) {
+            ((bf16_t*)kc)[slot * kvd + e] = f32_to_bf16(kx);
+            ((bf16_t*)vc)[slot * kvd + e] = f32_to_bf16(vx);
+        } else {
+            ((float*)kc)[slot * kvd + e] = kx;
+            ((float*)vc)[slot * kvd + e] = vx;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention of one chunk (nq new tokens at positions start..start+nq, rows row0.. of qkv) over
+// the cached keys (positions < start, in kc/vc) and the chunk's own keys (from qkv). Query i
+// (position p = start + i) sees keys lo..=p, lo = p + 1 - window (window > 0, sliding) or 0.
+//
+// Exactly the reference's arithmetic (attention.rs): s = rnd(rnd(q.k) * scale); softmax with
+// the row max subtracted; p = rnd(exp(s - max) / sum); o = rnd(sum p v). To round p as the
+// reference does, the normalisation must be known before V is read, so it runs in two passes
+// over the keys (the score matrix is never stored):
+//   1. attn_stats:  per (query, head, split): online max/sum over the split's keys -> stats.
+//   2. attn_accum:  combine all splits' stats into the row's (max, sum); accumulate
+//                   rnd(exp(s - max) / sum) * v over the split's keys -> partial.
+//   3. attn_reduce: out = rnd(sum over splits of partial).
+// Split-K: the keys of a row are cut into nsplit ranges (decode uses many, prefill one).
+// grid = (nq * n_heads, nsplit) for 1 and 2 (blockDim.x = ATTN_THREADS; dynamic shared memory
+// head_dim floats for 1, (1 + ATTN_THREADS/32) * head_dim floats for 2); grid = nq * n_heads,
+// blockDim.x >= 32 for 3. head_dim <= ATTN_MAX_D.
+
+#define ATTN_THREADS 128
+#define ATTN_MAX_D 512
+
+struct Attn {
+    const float* qkv;
+    const void* kc;
+    const void* vc;
+    u32 qkv_cols, row0, start, n_heads, n_kv_heads, head_dim, window, ring, nsplit;
+    int kv_bf16, mode;
+    float scale;
+};
+
+// Element d of the key (which = 0) or value (which = 1) of kv head kvh at position pos.
+__device__ __forceinline__ float kv_elem(const Attn& A, u32 pos, u32 kvh, u32 d, int which) {
+    const u32 kvd = A.n_kv_heads * A.head_dim;
+    if (pos >= A.start) {
+        const float* r = A.qkv + (u64)(A.row0 + pos - A.start) * A.qkv_cols + A.n_heads * A.head_dim;
+        return r[which * kvd + kvh * A.head_dim + d];
+    }
+    const u64 slot = A.ring ? (u64)(pos % A.ring) : (u64)pos;
+    const u64 off = slot * kvd + kvh * A.head_dim + d;
+    const void* base = which ? A.vc : A.kc;
+    return A.kv_bf16 ? bf16_to_f32(((const bf16_t*)base)[off]) : ((const float*)base)[off];
+}
+
+// Score of the query in shared memory q against the key at pos (all lanes of the warp get it).
+__device__ __forceinline__ float attn_score(const Attn& A, const float* q, u32 pos, u32 kvh, u32 lane) {
+    float acc = 0.0f;
+    for (u32 d = lane; d < A.head_dim; d += 32) acc += q[d] * kv_elem(A, pos, kvh, d, 0);
+    acc = warp_sum(acc);
+    return rnd(rnd(acc, A.mode) * A.scale, A.mode);
+}
+
+// The key range [a, b) of split `split` for query i.
+__device__ __forceinline__ void attn_range(const Attn& A, u32 i, u32 split, u32* a, u32* b) {
+    const u32 p = A.start + i;
+    const u32 lo = (A.window > 0 && p + 1 > A.window) ? p + 1 - A.window : 0;
+    const u32 nkeys = p + 1 - lo;
+    const u32 per = (nkeys + A.nsplit - 1) / A.nsplit;
+    u32 s0 = lo + split * per, s1 = s0 + per;
+    if (s0 > p + 1) s0 = p + 1;
+    if (s1 > p + 1) s1 = p + 1;
+    *a = s0;
+    *b = s1;
+}
+
+__device__ __forceinline__ void attn_load_q(const Attn& A, float* q, u32 i, u32 h) {
+    const float* src = A.qkv + (u64)(A.row0 + i) * A.qkv_cols + h * A.head_dim;
+    for (u32 d = threadIdx.x; d < A.head_dim; d += blockDim.x) q[d] = src[d];
+    __syncthreads();
+}
+
+#define ATTN_PARAMS                                                                                             \
+    const float *qkv, const void *kc, const void *vc, u32 qkv_cols, u32 row0, u32 start, u32 n_heads,           \
+        u32 n_kv_heads, u32 head_dim, u32 window, u32 ring, u32 nsplit, int kv_bf16, int mode, float scale
+#define ATTN_INIT                                                                                               \
+    Attn A;                                                                                                     \
+    A.qkv = qkv; A.kc = kc; A.vc = vc; A.qkv_cols = qkv_cols; A.row0 = row0; A.start = start;                   \
+    A.n_heads = n_heads; A.n_kv_heads = n_kv_heads; A.head_dim = head_dim; A.window = window; A.ring = ring;    \
+    A.nsplit = nsplit; A.kv_bf16 = kv_bf16; A.mode = mode; A.scale = scale;
+
+// stats[(qh * nsplit + split) * 2 + {0, 1}] = (max, sum of exp(s - max)) over the split's keys.
+extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
+    ATTN_INIT
+    extern __shared__ float sh[];
+    __shared__ float wm[ATTN_THREADS / 32], wl[ATTN_THREADS / 32];
+    const u32 qh = blockIdx.x, split = blockIdx.y;
+    const u32 i = qh / n_heads, h = qh % n_heads, kvh = h / (n_heads / n_kv_heads);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float* q = sh;
+    attn_load_q(A, q, i, h);
+    u32 a, b;
+    attn_range(A, i, split, &a, &b);
+    float m = SPARK_NEG_INF, l = 0.0f;
+    for (u32 pos = a + warp; pos < b; pos += nw) {
+        const float s = attn_score(A, q, pos, kvh, lane);
+        if (s > m) {
+            l = l * expf(m - s) + 1.0f;
+            m = s;
+        } else {
+            l += expf(s - m);
+        }
+    }
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float M = SPARK_NEG_INF;
+        for (u32 w = 0; w < nw; ++w)
+            if (wl[w] > 0.0f && wm[w] > M) M = wm[w];
+        float L = 0.0f;
+        for (u32 w = 0; w < nw; ++w)
+            if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
+        stats[((u64)qh * nsplit + split) * 2 + 0] = M;
+        stats[((u64)qh * nsplit + split) * 2 + 1] = L;
+    }
+}
+
+// partial[(qh * nsplit + split) * head_dim + d] = sum over the split's keys of p * v[d].
+extern "C" __global__ void attn_accum(ATTN_PARAMS, const float* stats, float* partial) {
+    ATTN_INIT
+    extern __shared__ float sh[];
+    const u32 qh = blockIdx.x, split = blockIdx.y;
+    const u32 i = qh / n_heads, h = qh % n_heads, kvh = h / (n_heads / n_kv_heads);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float* q = sh;
+    float* wacc = sh + head_dim;  // [nw, head_dim]
+    attn_load_q(A, q, i, h);
+    // The row's max and sum, from every split's stats (each thread computes the same values).
+    const float* st = stats + (u64)qh * nsplit * 2;
+    float M = SPARK_NEG_INF;
+    for (u32 s = 0; s < nsplit; ++s)
+        if (st[2 * s + 1] > 0.0f && st[2 * s] > M) M = st[2 * s];
+    float L = 0.0f;
+    for (u32 s = 0; s < nsplit; ++s)
+        if (st[2 * s + 1] > 0.0f) L += st[2 * s + 1] * expf(st[2 * s] - M);
+    const float inv = 1.0f / L;
+    u32 a, b;
+    attn_range(A, i, split, &a, &b);
+    float acc[ATTN_MAX_D / 32];
+#pragma unroll
+    for (int t = 0; t < ATTN_MAX_D / 32; ++t) acc[t] = 0.0f;
+    for (u32 pos = a + warp; pos < b; pos += nw) {
+        const float s = attn_score(A, q, pos, kvh, lane);
+        const float p = rnd(expf(s - M) * inv, mode);
+#pragma unroll
+        for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+            const u32 d = lane + 32 * t;
+            if (d < head_dim) acc[t] += p * kv_elem(A, pos, kvh, d, 1);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < ATTN_MAX_D / 32; ++t) {
+        const u32 d = lane + 32 * t;
+        if (d < head_dim) wacc[warp * head_dim + d] = acc[t];
+    }
+    __syncthreads();
+    float* dst = partial + ((u64)qh * nsplit + split) * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (u32 w = 0; w < nw; ++w) o += wacc[w * head_dim + d];
+        dst[d] = o;
+    }
+}
+
+// out[row0 + i, h * head_dim + d] = rnd(sum over splits of partial).
+extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
+                                       u32 head_dim, u32 nsplit, int mode) {
+    const u32 qh = blockIdx.x;
+    const u32 i = qh / n_heads, h = qh % n_heads;
+    const float* src = partial + (u64)qh * nsplit * head_dim;
+    float* dst = out + (u64)(row0 + i) * out_cols + h * head_dim;
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (u32 s = 0; s < nsplit; ++s) o += src[s * head_dim + d];
+        dst[d] = rnd(o, mode);
+    }
+}
