@@ -158,7 +158,9 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let choice = choice();
     let spec = BackendSpec::parse(&choice.backend)?;
     let chosen = registry().choose(&spec).context("--backend")?;
-    for s in &chosen.skipped {
+    // A linked-in backend without its device (cuda on a machine with no GPU) is the normal case
+    // for `auto`: only plugins that failed to load or probe are worth a warning.
+    for s in chosen.skipped.iter().filter(|s| !s.contains("(static)")) {
         eprintln!("warning: skipped backend {s}");
     }
     // A .gguf file is the model itself (config, weights, tokenizer and template inside).
