@@ -1,7 +1,8 @@
 /*
  * spark.h — the C ABI of a spark backend plugin, version 1.
  *
- * A backend library (libspark_backend_<name>.so) exports one symbol, spark_backend_v1, which
+ * A backend library (libspark_backend_<name>.so) exports one entry symbol,
+ * spark_backend_v1_<name> or (the cpu backend, and third-party plugins) spark_backend_v1, which
  * returns a table of functions that run the Spark-X2.5 model step by step: a batch of
  * (sequence id, tokens, start position) in, logits out. These declarations match the Rust
  * #[repr(C)] types of spark-core/src/plugin/abi.rs field for field (a test checks every size

@@ -1,5 +1,5 @@
 //! The CUDA backend as one [`BackendFactory`]: linked statically by `spark-run` (feature `cuda`)
-//! and, with the `plugin` feature, exported through the C ABI as `spark_backend_v1` of
+//! and exported through the C ABI as `spark_backend_v1_cuda` of
 //! `libspark_backend_cuda.so`.
 //!
 //! Probe: one entry per GPU, scored 100 + 10 x major compute capability (above any CPU), usable
@@ -18,8 +18,8 @@ use crate::CudaBackend;
 pub const FACTORY: BackendFactory = BackendFactory { name: c"cuda", probe, open };
 
 // Only with the `plugin` feature: see backend-cuda/Cargo.toml.
-#[cfg(feature = "plugin")]
-spark_core::export_backend!(FACTORY);
+// Named entry point: cpu, cuda and wgpu are linked into one spark-run, so each needs its own symbol.
+spark_core::export_backend!(FACTORY, spark_backend_v1_cuda);
 
 fn unusable(note: String) -> DeviceInfo {
     DeviceInfo { index: 0, name: "cuda".into(), usable: false, note, ..Default::default() }

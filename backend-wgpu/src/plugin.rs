@@ -1,5 +1,5 @@
 //! The wgpu backend as one [`BackendFactory`]: linked statically by `spark-run` (feature `wgpu`)
-//! and, with the `plugin` feature, exported through the C ABI as `spark_backend_v1` of
+//! and exported through the C ABI as `spark_backend_v1_wgpu` of
 //! `libspark_backend_wgpu.so`.
 //!
 //! Probe: one device per Vulkan/Metal/DX12 adapter. Scores for `--backend auto`: a discrete GPU
@@ -20,8 +20,8 @@ use crate::{WgpuBackend, WgpuOptions};
 pub const FACTORY: BackendFactory = BackendFactory { name: c"wgpu", probe, open };
 
 // Only with the `plugin` feature: see backend-wgpu/Cargo.toml.
-#[cfg(feature = "plugin")]
-spark_core::export_backend!(FACTORY);
+// Named entry point: cpu, cuda and wgpu are linked into one spark-run, so each needs its own symbol.
+spark_core::export_backend!(FACTORY, spark_backend_v1_wgpu);
 
 /// The score of an adapter type.
 pub fn score(t: wgpu::DeviceType) -> i32 {

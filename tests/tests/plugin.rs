@@ -464,3 +464,19 @@ fn spark_run_backends_lists_what_it_finds_and_why_the_rest_is_unusable() {
     }
     assert!(text.contains("\"backend\":\"qnn\""), "{text}");
 }
+
+/// The cuda and wgpu plugin files export named entry points (`spark_backend_v1_cuda`, ...) so
+/// that all three backends also link into one spark-run; the loader finds them by file name,
+/// and their probes answer (usable or with a reason) without panicking on any machine.
+#[test]
+fn named_entry_points_load_and_probe() {
+    for name in ["cuda", "wgpu"] {
+        let p = load_plugin(&lib(&plugin_file_name(name))).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((p.name(), p.abi_version()), (name, ABI_VERSION));
+        let devices = p.probe().unwrap();
+        assert!(!devices.is_empty(), "{name}: a probe reports at least one entry (a device, or why none)");
+        for d in devices.iter().filter(|d| !d.usable) {
+            assert!(!d.note.is_empty(), "{name}: an unusable device must say why: {d:?}");
+        }
+    }
+}

@@ -22,17 +22,26 @@ use super::{dtype_code, dtype_from_code, BackendFactory, OpenOptions};
 use crate::backend::{Executor, LogitsMode, SeqStep};
 use crate::error::{Error, ErrorKind, Result};
 
-/// Export `$factory` (a `const` [`BackendFactory`] expression) as this library's
-/// `spark_backend_v1` entry point. Invoke once, in a crate built as a `cdylib`:
+/// Export `$factory` (a `const` [`BackendFactory`] expression) as this library's entry point:
+/// `spark_backend_v1`, or the named symbol `spark_backend_v1_<name>` given as a second argument.
+/// Invoke once, in a crate built as a `cdylib`:
 ///
 /// ```ignore
 /// pub const FACTORY: spark_core::plugin::BackendFactory =
-///     spark_core::plugin::BackendFactory { name: c"cpu", probe, open };
-/// spark_core::export_backend!(FACTORY);
+///     spark_core::plugin::BackendFactory { name: c"cuda", probe, open };
+/// spark_core::export_backend!(FACTORY, spark_backend_v1_cuda);
 /// ```
+///
+/// Backends that may be linked statically into one program together must use the named form
+/// (unmangled symbols must be unique in a program); the loader looks for
+/// `spark_backend_v1_<name>` (from the file name `libspark_backend_<name>.so`) first, then for
+/// `spark_backend_v1`.
 #[macro_export]
 macro_rules! export_backend {
     ($factory:expr) => {
+        $crate::export_backend!($factory, spark_backend_v1);
+    };
+    ($factory:expr, $symbol:ident) => {
         const _: () = {
             use $crate::plugin::abi as __abi;
             use $crate::plugin::export as __export;
@@ -74,7 +83,7 @@ macro_rules! export_backend {
             /// The plugin entry point: the backend's function table, valid for the life of
             /// the library.
             #[no_mangle]
-            pub extern "C" fn spark_backend_v1() -> *const __abi::SparkBackendV1 {
+            pub extern "C" fn $symbol() -> *const __abi::SparkBackendV1 {
                 &__TABLE
             }
         };

@@ -92,11 +92,29 @@ fn open_library(shown: &Path, canon: PathBuf) -> Result<Plugin> {
             shown.display()
         ))
     })?;
-    let sym = String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1]).into_owned();
-    // SAFETY: `spark_backend_v1` is documented to have type `EntryFn`; a library that exports it
-    // with another type breaks the plugin contract, which we cannot check further.
-    let entry = unsafe { lib.get::<EntryFn>(ENTRY_SYMBOL) }
-        .map_err(|e| fail(format!("{} is not a spark backend plugin: no symbol {sym} ({e})", shown.display())))?;
+    let generic = String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1]).into_owned();
+    // `libspark_backend_<name>.so` may export the named entry `spark_backend_v1_<name>` (so that
+    // several backends can also be linked into one program), else the generic one.
+    let named = shown
+        .file_name()
+        .and_then(|f| f.to_str())
+        .and_then(backend_name_of_file)
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        .map(|n| format!("{generic}_{n}"));
+    let mut sym = generic.clone();
+    // SAFETY: both entry symbols are documented to have type `EntryFn`; a library that exports
+    // one with another type breaks the plugin contract, which we cannot check further.
+    let entry = match named.as_deref().and_then(|n| unsafe { lib.get::<EntryFn>(format!("{n}\0").as_bytes()) }.ok()) {
+        Some(e) => {
+            sym = named.clone().unwrap_or_default();
+            e
+        }
+        // SAFETY: as above.
+        None => unsafe { lib.get::<EntryFn>(ENTRY_SYMBOL) }.map_err(|e| {
+            let also = named.as_deref().map(|n| format!(" nor {n}")).unwrap_or_default();
+            fail(format!("{} is not a spark backend plugin: no symbol {generic}{also} ({e})", shown.display()))
+        })?,
+    };
     // SAFETY: calling the entry point as documented: no arguments, returns a pointer to a
     // static table (or null).
     let table = unsafe { entry() };

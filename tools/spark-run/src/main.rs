@@ -86,6 +86,12 @@ enum Command {
 }
 
 fn main() {
+    // Mesa's Vulkan device-select layer prints "XDG_RUNTIME_DIR is invalid" on headless machines
+    // when the wgpu backend probes; it only reorders adapters, which wgpu does not need. Set
+    // before any thread exists (set_var is not thread-safe).
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
     let cli = Cli::parse();
     load::configure(load::BackendChoice { backend: cli.backend, plugin_dirs: cli.plugin_dir });
     let result = match cli.command {
