@@ -3,7 +3,9 @@
 //! Implements [`spark_core::Backend`] with multi-threaded kernels (a rayon pool of `--threads`
 //! workers) and SIMD chosen at run time (AVX2+FMA+F16C, or the portable path). Weights in f32,
 //! bf16 or f16 are used straight from the memory-mapped checkpoint when their stored type is the
-//! compute type; accumulation is always f32.
+//! compute type; accumulation is always f32. Quantized (int8/int4) matrices are repacked at
+//! upload and multiplied by integer kernels with the activations quantized to int8 per 32-block
+//! ([`kernels::qmatmul`]: AVX-512 VNNI, AVX2 or portable).
 //!
 //! - [`kernels`]: dot products, GEMM/GEMV, SIMD dispatch.
 //! - [`attention`]: attention over the KV cache (ring for sliding layers, growing for full).
@@ -23,6 +25,7 @@ use rayon::prelude::*;
 use spark_core::backend::{AttnChunk, AttnShape, Backend, WeightRole};
 use spark_core::config::GateAct;
 use spark_core::kv::KvSpec;
+use spark_core::quant::QTensor;
 use spark_core::rope::RopeTable;
 use spark_core::weights::Tensor as HostTensor;
 use spark_core::{DType, Error, Result};
@@ -97,6 +100,15 @@ impl Backend for CpuBackend {
         CpuWeight::from_host(t, dtype)
     }
 
+    /// Repacked for the integer kernels ([`kernels::qmatmul`]); groups that are not multiples of
+    /// 16 fall back to the dequantized float weight.
+    fn upload_quant(&self, q: &QTensor, role: WeightRole, dtype: DType) -> Result<CpuWeight> {
+        match CpuWeight::from_quant(q, dtype)? {
+            Some(w) => Ok(w),
+            None => self.upload_weight(&q.to_tensor(dtype), role, dtype),
+        }
+    }
+
     fn upload_rope(&self, table: &RopeTable) -> Result<RopeTable> {
         Ok(table.clone())
     }
@@ -124,11 +136,11 @@ impl Backend for CpuBackend {
 
     fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
         check(out.rows == ids.len() && out.cols == table.cols, "embed")?;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= table.rows) {
+            return Err(Error::invalid(format!("token id {id} is outside the vocabulary ({})", table.rows)));
+        }
         for (o, &id) in out.data.chunks_mut(out.cols).zip(ids) {
-            let row = table.row(id as usize);
-            for (j, v) in o.iter_mut().enumerate() {
-                *v = row.get(j);
-            }
+            table.dequant_row(id as usize, o);
         }
         Ok(())
     }
@@ -147,6 +159,11 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
         check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
+        if let Some(q) = w.quant() {
+            let qs = self.simd.qsimd();
+            self.pool.install(|| kernels::qmatmul::qmatmul(qs, &x.data, x.rows, x.cols, q, &mut out.data, round));
+            return Ok(());
+        }
         self.pool.install(|| {
             kernels::matmul::matmul(self.simd, &x.data, x.rows, x.cols, w.mat(), w.rows, &mut out.data, round)
         });

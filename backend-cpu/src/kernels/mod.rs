@@ -4,11 +4,18 @@
 //! portable path.
 //! `SPARK_CPU_SIMD=portable` or `=avx2` caps the level (tests compare the paths). AVX-512F only
 //! changes the prefill micro-kernel; everything else runs the AVX2 code.
+//!
+//! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AVX-512 VNNI (with
+//! AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=avx512` caps it below VNNI
+//! (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and `=portable` as above.
 
 pub mod avx2;
 pub mod avx512;
 pub mod matmul;
 pub mod portable;
+pub mod qavx2;
+pub mod qavx512;
+pub mod qmatmul;
 
 use std::sync::OnceLock;
 
@@ -52,6 +59,57 @@ impl Simd {
             Simd::Portable => "portable",
             Simd::Avx2 => "avx2+fma",
             Simd::Avx512 => "avx512f",
+        }
+    }
+
+    /// The integer-kernel level that goes with this float level: VNNI only at `Avx512` on a
+    /// processor with AVX-512 VNNI+BW (and no `SPARK_CPU_SIMD` cap below it).
+    pub fn qsimd(self) -> QSimd {
+        match self {
+            Simd::Portable => QSimd::Portable,
+            Simd::Avx2 => QSimd::Avx2,
+            Simd::Avx512 => QSimd::detect().max(QSimd::Avx2),
+        }
+    }
+}
+
+/// The instruction set of the integer (W8A8 / W4A8) matmul kernels, in increasing order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum QSimd {
+    /// Scalar integer dot products (the reference).
+    Portable,
+    /// AVX2 `vpmaddubsw` (sign trick for int8); also used on AVX-512 without VNNI.
+    Avx2,
+    /// AVX-512 `vpdpbusd` on 64 bytes at a time (needs AVX-512F, BW and VNNI).
+    Avx512Vnni,
+}
+
+impl QSimd {
+    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable|avx2|avx512`.
+    pub fn detect() -> QSimd {
+        static S: OnceLock<QSimd> = OnceLock::new();
+        *S.get_or_init(|| match Simd::detect() {
+            Simd::Portable => QSimd::Portable,
+            Simd::Avx2 => QSimd::Avx2,
+            Simd::Avx512 => {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let cap = std::env::var("SPARK_CPU_SIMD").unwrap_or_default();
+                    if cap != "avx512" && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
+                    {
+                        return QSimd::Avx512Vnni;
+                    }
+                }
+                QSimd::Avx2
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QSimd::Portable => "portable",
+            QSimd::Avx2 => "avx2",
+            QSimd::Avx512Vnni => "avx512-vnni",
         }
     }
 }

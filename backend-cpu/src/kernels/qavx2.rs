@@ -1,0 +1,282 @@
+//! AVX2 integer kernels for [`super::qmatmul`] (x86-64; also the path on AVX-512 without VNNI).
+//!
+//! Per 32-block: `vpmaddubsw` (unsigned x signed bytes into i16 pairs), `vpmaddwd` with ones into
+//! eight i32 lanes of four columns each, converted to f32 and accumulated with one FMA by
+//! `weight scale * activation scale`. Int8 weights use the sign trick (`|w|` as the unsigned
+//! operand, the activation's sign flipped where `w < 0`: pairs stay within 2*128*127, no
+//! saturation), so no zero-point correction. Int4 nibbles `0..=15` are the unsigned operand
+//! directly (2*15*127 fits i16); `8 *` the activations' 4-column sums are subtracted from the
+//! eight i32 lanes (exact).
+//! Every function is `unsafe` and needs AVX2 and FMA.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use spark_core::quant::QFormat;
+
+use super::qmatmul::{ScaleMode, TileArgs, QBLOCK};
+
+/// How a weight format turns a 32-block into `vpmaddubsw` operands.
+trait Fmt {
+    /// Whether the unsigned operand carries a zero point of 8 (subtracted via the 4-column sums).
+    const Z8: bool;
+    /// Block `b` of the packed row at `w`: (unsigned operand, sign source).
+    unsafe fn block(w: *const u8, b: usize) -> (__m256i, __m256i);
+    /// The 16 i16 pair sums of `w . q` for activation bytes `q`.
+    unsafe fn dot16(wu: __m256i, ws: __m256i, q: __m256i) -> __m256i;
+}
+
+struct I8;
+struct I4;
+
+impl Fmt for I8 {
+    const Z8: bool = false;
+    #[inline(always)]
+    unsafe fn block(w: *const u8, b: usize) -> (__m256i, __m256i) {
+        let v = _mm256_loadu_si256(w.add(b * QBLOCK) as *const __m256i);
+        (_mm256_abs_epi8(v), v)
+    }
+    #[inline(always)]
+    unsafe fn dot16(wu: __m256i, ws: __m256i, q: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(wu, _mm256_sign_epi8(q, ws))
+    }
+}
+
+impl Fmt for I4 {
+    const Z8: bool = true;
+    #[inline(always)]
+    unsafe fn block(w: *const u8, b: usize) -> (__m256i, __m256i) {
+        let v = _mm256_loadu_si256(w.add((b / 2) * 32) as *const __m256i);
+        let v = if b.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
+        (_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), v)
+    }
+    #[inline(always)]
+    unsafe fn dot16(wu: __m256i, _ws: __m256i, q: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(wu, q)
+    }
+}
+
+/// How the weight scales of a 32-block fill eight lanes (four columns each).
+trait Scale {
+    /// One scale for the whole row, applied after the sum (`sv` is then unused).
+    const ROW: bool = false;
+    unsafe fn sv(s: *const f32, sidx: *const u32, b: usize) -> __m256;
+}
+
+/// One scale per row.
+struct PerRow;
+/// One scale per block (`group % 32 == 0`).
+struct Uni;
+/// One scale per 16-column half (`group % 16 == 0`).
+struct Half;
+
+impl Scale for PerRow {
+    const ROW: bool = true;
+    #[inline(always)]
+    unsafe fn sv(_s: *const f32, _sidx: *const u32, _b: usize) -> __m256 {
+        _mm256_setzero_ps()
+    }
+}
+
+impl Scale for Uni {
+    #[inline(always)]
+    unsafe fn sv(s: *const f32, sidx: *const u32, b: usize) -> __m256 {
+        _mm256_broadcast_ss(&*s.add(*sidx.add(2 * b) as usize))
+    }
+}
+
+impl Scale for Half {
+    #[inline(always)]
+    unsafe fn sv(s: *const f32, sidx: *const u32, b: usize) -> __m256 {
+        let lo = _mm_broadcast_ss(&*s.add(*sidx.add(2 * b) as usize));
+        let hi = _mm_broadcast_ss(&*s.add(*sidx.add(2 * b + 1) as usize));
+        _mm256_set_m128(hi, lo)
+    }
+}
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// `R` rows x `T` tokens over all columns: `out[r][t] = sum_b d[t,b] * s[r,b] * dot_b`.
+///
+/// # Safety
+/// AVX2 and FMA; `a` describes `R` packed rows and `T` token rows of `a.kp` columns.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+    let nb = a.kp / QBLOCK;
+    let ones = _mm256_set1_epi16(1);
+    let sidx = a.sidx.as_ptr();
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    for b in 0..nb {
+        let mut wu = [_mm256_setzero_si256(); R];
+        let mut ws = [_mm256_setzero_si256(); R];
+        let mut sv = [_mm256_setzero_ps(); R];
+        for r in 0..R {
+            (wu[r], ws[r]) = F::block(a.w.add(r * a.row_bytes), b);
+            if !S::ROW {
+                sv[r] = S::sv(a.s.add(r * a.ng), sidx, b);
+            }
+        }
+        for t in 0..T {
+            let q = _mm256_loadu_si256(a.q.add(t * a.kp + b * QBLOCK) as *const __m256i);
+            let dv = _mm256_broadcast_ss(&*a.d.add(t * nb + b));
+            let z = if F::Z8 {
+                _mm256_slli_epi32::<3>(_mm256_loadu_si256(a.s4.add(t * (a.kp / 4) + b * 8) as *const __m256i))
+            } else {
+                _mm256_setzero_si256()
+            };
+            for r in 0..R {
+                let mut p = _mm256_madd_epi16(F::dot16(wu[r], ws[r], q), ones);
+                if F::Z8 {
+                    p = _mm256_sub_epi32(p, z);
+                }
+                let p = _mm256_cvtepi32_ps(p);
+                let scale = if S::ROW { dv } else { _mm256_mul_ps(sv[r], dv) };
+                acc[r][t] = _mm256_fmadd_ps(p, scale, acc[r][t]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(acc[r][t]);
+            if S::ROW {
+                out[r][t] *= *a.s.add(r * a.ng);
+            }
+        }
+    }
+    out
+}
+
+/// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 x 1 (decode)
+/// or 2 x up to 4 tokens (3 when per-block scales or the int4 correction need registers).
+///
+/// # Safety
+/// AVX2 and FMA; `args(r, t)` describes packed row `r` and token `t` of matching buffers for
+/// every `r0 <= r < r1`, `t0 <= t < t0 + nt`; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn rows_tokens<'a>(
+    fmt: QFormat,
+    mode: ScaleMode,
+    args: &impl Fn(usize, usize) -> TileArgs<'a>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+    ld: usize,
+) {
+    match (fmt, mode) {
+        (QFormat::I8, ScaleMode::Row) => run::<I8, PerRow>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Half) => run::<I8, Half>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, _) => run::<I8, Uni>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Row) => run::<I4, PerRow>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Half) => run::<I4, Half>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, _) => run::<I4, Uni>(args, r0, r1, t0, nt, tmp, ld),
+    }
+}
+
+/// # Safety
+/// As [`rows_tokens`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run<'a, F: Fmt, S: Scale>(
+    args: &impl Fn(usize, usize) -> TileArgs<'a>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+    ld: usize,
+) {
+    let rt = if nt == 1 { 4 } else { 2 };
+    let mut r = r0;
+    while r < r1 {
+        let nr = if r + rt <= r1 { rt } else { 1 };
+        let mut t = 0;
+        while t < nt {
+            // Per-block scales or the int4 correction run out of registers at 2 x 4: use 2 x 3.
+            let tt = (nt - t).min(if S::ROW && !F::Z8 { 4 } else { 3 });
+            let a = args(r, t0 + t);
+            let base = t * ld + r - r0;
+            macro_rules! go {
+                ($r:literal, $t:literal) => {{
+                    let o = tile::<F, S, $r, $t>(&a);
+                    for (j, row) in o.iter().enumerate() {
+                        for (i, &v) in row.iter().enumerate() {
+                            tmp[base + i * ld + j] = v;
+                        }
+                    }
+                }};
+            }
+            match (nr, tt) {
+                // Four-row tiles only when nt == 1.
+                (4, _) => go!(4, 1),
+                (2, 1) => go!(2, 1),
+                (2, 2) => go!(2, 2),
+                (2, 3) => go!(2, 3),
+                (2, _) => go!(2, 4),
+                (_, 1) => go!(1, 1),
+                (_, 2) => go!(1, 2),
+                (_, 3) => go!(1, 3),
+                (_, _) => go!(1, 4),
+            }
+            t += tt;
+        }
+        r += nr;
+    }
+}
+
+/// Quantize one full 32-block of activations at `x` into `q`: returns the scale and the sums
+/// of the two 16-value halves, or `None` when a value is not finite (the caller's scalar path
+/// handles it). The same arithmetic as the scalar path (`amax / 127`, `1 / scale`, round half
+/// to even, clamp to +-127), so the results are identical.
+///
+/// # Safety
+/// AVX2; `x` has 32 readable values, `q` 32 writable bytes.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn quantize_block(x: *const f32, q: *mut i8) -> Option<(f32, [i32; 2])> {
+    let v = [_mm256_loadu_ps(x), _mm256_loadu_ps(x.add(8)), _mm256_loadu_ps(x.add(16)), _mm256_loadu_ps(x.add(24))];
+    // x * 0 is NaN exactly for infinities and NaNs.
+    let z = _mm256_setzero_ps();
+    let mut bad = _mm256_setzero_ps();
+    let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let mut m = _mm256_setzero_ps();
+    for vi in v {
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_UNORD_Q>(_mm256_mul_ps(vi, z), z));
+        m = _mm256_max_ps(m, _mm256_and_ps(vi, absmask));
+    }
+    if _mm256_movemask_ps(bad) != 0 {
+        return None;
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+    if amax == 0.0 {
+        std::ptr::write_bytes(q, 0, QBLOCK);
+        return Some((0.0, [0, 0]));
+    }
+    let s = amax / 127.0;
+    let inv = _mm256_set1_ps(1.0 / s);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let mut iv = [_mm256_setzero_si256(); 4];
+    for (o, vi) in iv.iter_mut().zip(v) {
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(vi, inv));
+        *o = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    let p8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    let p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(q as *mut __m256i, p8);
+    let hsum_i = |a: __m256i| {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)))
+    };
+    Some((s, [hsum_i(_mm256_add_epi32(iv[0], iv[1])), hsum_i(_mm256_add_epi32(iv[2], iv[3]))]))
+}

@@ -1,0 +1,242 @@
+//! AVX-512 VNNI integer kernels for [`super::qmatmul`] (x86-64).
+//!
+//! Per 64-column chunk (two 32-blocks): one `vpdpbusd` of the unsigned weight bytes (int8 as
+//! `q + 128`, the stored signed bytes with the top bit flipped; int4 nibbles unpacked from 32
+//! bytes) with the signed activation bytes gives 16 i32
+//! lanes (lanes 0-7 the first block, 8-15 the second), converted to f32 and accumulated with one
+//! FMA by a 16-lane `weight scale * activation scale` vector. The zero point (128 for int8, 8
+//! for int4) is removed exactly: each `vpdpbusd` starts from `-zero *` the activations' 4-column
+//! sums instead of 0. Every function is `unsafe` and needs AVX-512F, AVX-512BW and AVX-512 VNNI.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use spark_core::quant::QFormat;
+
+use super::qmatmul::{ScaleMode, TileArgs, QBLOCK, QCHUNK};
+
+/// How a weight format yields the 64 unsigned bytes of a chunk.
+trait Fmt {
+    /// Whether the weight bytes are unpacked from nibbles (extra registers).
+    const UNPACK: bool = false;
+    /// `-zero * s` for the 4-column activation sums `s`.
+    unsafe fn start(s: __m512i) -> __m512i;
+    unsafe fn chunk(w: *const u8, c: usize) -> __m512i;
+}
+
+struct I8;
+struct I4;
+
+impl Fmt for I8 {
+    #[inline(always)]
+    unsafe fn start(s: __m512i) -> __m512i {
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(s))
+    }
+    #[inline(always)]
+    unsafe fn chunk(w: *const u8, c: usize) -> __m512i {
+        // Signed bytes to `q + 128` (the zero point the caller corrects).
+        _mm512_xor_si512(_mm512_loadu_si512(w.add(c * QCHUNK) as *const _), _mm512_set1_epi8(-128))
+    }
+}
+
+impl Fmt for I4 {
+    const UNPACK: bool = true;
+    #[inline(always)]
+    unsafe fn start(s: __m512i) -> __m512i {
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<3>(s))
+    }
+    #[inline(always)]
+    unsafe fn chunk(w: *const u8, c: usize) -> __m512i {
+        let v = _mm256_loadu_si256(w.add(c * 32) as *const __m256i);
+        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4));
+        _mm512_and_si512(both, _mm512_set1_epi8(0x0F))
+    }
+}
+
+/// How the weight scales of a chunk fill 16 lanes (four columns each).
+trait Scale {
+    /// One scale for the whole row, applied after the sum (`sv` is then unused).
+    const ROW: bool = false;
+    /// Whether `sv` gathers several scales per chunk (extra registers).
+    const WIDE_SCALES: bool = false;
+    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512;
+}
+
+/// One scale per row.
+struct PerRow;
+
+impl Scale for PerRow {
+    const ROW: bool = true;
+    #[inline(always)]
+    unsafe fn sv(_s: *const f32, _sidx: *const u32, _c: usize) -> __m512 {
+        _mm512_setzero_ps()
+    }
+}
+
+/// One scale per chunk (`group % 64 == 0`).
+struct Chunk;
+/// One scale per 32-block.
+struct Block;
+/// One scale per 16-column half-block.
+struct Half;
+
+impl Scale for Chunk {
+    #[inline(always)]
+    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512 {
+        _mm512_set1_ps(*s.add(*sidx.add(4 * c) as usize))
+    }
+}
+
+impl Scale for Block {
+    const WIDE_SCALES: bool = true;
+    #[inline(always)]
+    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512 {
+        let two = _mm_unpacklo_ps(
+            _mm_load_ss(s.add(*sidx.add(4 * c) as usize)),
+            _mm_load_ss(s.add(*sidx.add(4 * c + 2) as usize)),
+        );
+        _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(two))
+    }
+}
+
+impl Scale for Half {
+    const WIDE_SCALES: bool = true;
+    #[inline(always)]
+    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512 {
+        let g = |h: usize| *s.add(*sidx.add(4 * c + h) as usize);
+        let four = _mm_setr_ps(g(0), g(1), g(2), g(3));
+        _mm512_permutexvar_ps(IDX4.v, _mm512_castps128_ps512(four))
+    }
+}
+
+#[repr(C)]
+union Idx {
+    a: [i32; 16],
+    v: __m512i,
+}
+/// Lanes 0-7 from element 0, 8-15 from element 1.
+const IDX2: Idx = Idx { a: [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1] };
+/// Four lanes from each of elements 0..4.
+const IDX4: Idx = Idx { a: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3] };
+
+/// `R` rows x `T` tokens over all columns.
+///
+/// # Safety
+/// AVX-512F/BW/VNNI; `a` describes `R` packed rows and `T` token rows of `a.kp` columns.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+    let nc = a.kp / QCHUNK;
+    let nb = a.kp / QBLOCK;
+    let sidx = a.sidx.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for c in 0..nc {
+        let mut wv = [_mm512_setzero_si512(); R];
+        let mut sv = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
+            if !S::ROW {
+                sv[r] = S::sv(a.s.add(r * a.ng), sidx, c);
+            }
+        }
+        for t in 0..T {
+            let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
+            let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
+            let dv = _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2));
+            let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
+            for r in 0..R {
+                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
+                let scale = if S::ROW { dv } else { _mm512_mul_ps(sv[r], dv) };
+                acc[r][t] = _mm512_fmadd_ps(p, scale, acc[r][t]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+            if S::ROW {
+                out[r][t] *= *a.s.add(r * a.ng);
+            }
+        }
+    }
+    out
+}
+
+/// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 rows x up to
+/// 4 tokens (3 for int4 with per-block scales).
+///
+/// # Safety
+/// AVX-512F/BW/VNNI; `args(r, t)` describes packed row `r` and token `t` of matching buffers
+/// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn rows_tokens<'a>(
+    fmt: QFormat,
+    mode: ScaleMode,
+    args: &impl Fn(usize, usize) -> TileArgs<'a>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+    ld: usize,
+) {
+    match (fmt, mode) {
+        (QFormat::I8, ScaleMode::Row) => run::<I8, PerRow>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Row) => run::<I4, PerRow>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Chunk) => run::<I8, Chunk>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Block) => run::<I8, Block>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Half) => run::<I8, Half>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Chunk) => run::<I4, Chunk>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Block) => run::<I4, Block>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Half) => run::<I4, Half>(args, r0, r1, t0, nt, tmp, ld),
+    }
+}
+
+/// # Safety
+/// As [`rows_tokens`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+unsafe fn run<'a, F: Fmt, S: Scale>(
+    args: &impl Fn(usize, usize) -> TileArgs<'a>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+    ld: usize,
+) {
+    let mut r = r0;
+    while r < r1 {
+        let nr = if r + 4 <= r1 { 4 } else { 1 };
+        let mut t = 0;
+        while t < nt {
+            // Per-block scales with unpacked int4 run out of registers at 4 x 4: use 4 x 3.
+            let tt = (nt - t).min(if S::WIDE_SCALES && F::UNPACK { 3 } else { 4 });
+            let a = args(r, t0 + t);
+            let base = t * ld + r - r0;
+            macro_rules! go {
+                ($r:literal, $t:literal) => {{
+                    let o = tile::<F, S, $r, $t>(&a);
+                    for (j, row) in o.iter().enumerate() {
+                        for (i, &v) in row.iter().enumerate() {
+                            tmp[base + i * ld + j] = v;
+                        }
+                    }
+                }};
+            }
+            match (nr, tt) {
+                (4, 1) => go!(4, 1),
+                (4, 2) => go!(4, 2),
+                (4, 3) => go!(4, 3),
+                (4, _) => go!(4, 4),
+                (_, 1) => go!(1, 1),
+                (_, 2) => go!(1, 2),
+                (_, 3) => go!(1, 3),
+                (_, _) => go!(1, 4),
+            }
+            t += tt;
+        }
+        r += nr;
+    }
+}

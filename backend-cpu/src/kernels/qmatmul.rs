@@ -1,0 +1,520 @@
+//! Integer matmul for quantized weights: `out = x W^T` with `W` an int8 or int4 [`QTensor`]
+//! repacked at upload ([`QMat`]) and the activations `x` quantized on the fly ([`QAct`]).
+//!
+//! Precision (W8A8 / W4A8): each token's row of `x` is cut into blocks of 32 values, each
+//! quantized symmetrically to int8 with its own f32 scale `d = max|x| / 127` (`q = x / d`
+//! rounded half to even), once per call and shared by every weight row (llama.cpp's Q8_1 idea).
+//! The weights are exactly the [`QTensor`]'s values, so relative to the float matmul of the
+//! dequantized weights the only extra error is that of the activations: at most `d / 2 =
+//! max|x_block| / 254` per element, i.e. `|err| <= sum_c |w_c| * max|x_block(c)| / 254` per
+//! output, and about `sqrt(sum_c w_c^2 d_c^2 / 12)` RMS (rounding errors are uniform). The
+//! integer dot of each 32-block is exact; it is scaled in f32 by `d * weight scale` and summed in
+//! f32 (paths differ only in float summation order; all paths quantize `x` identically).
+//!
+//! The result for weight row `r` and token `t` is
+//!
+//! ```text
+//! sum_b d[t,b] * dot_b(wq[r], qa[t]) * s[r, g(b)]  +  sum_g bias[r,g] * A[t,g]
+//! ```
+//!
+//! where `A[t,g] = sum_{c in g} d[t,b(c)] * qa[t,c]` (the float sum of the quantized activations
+//! of group `g`, kept per call) carries the `bias` term. Kernels that multiply unsigned weight
+//! bytes (`vpdpbusd` on int8 as `q + 128`; int4 nibbles `0..=15` with zero point 8) remove the
+//! zero point in integers, from the activations' sums over each 4 columns (kept per call too):
+//! `dot(q + z, qa) - z * sum(qa)` is exact.
+//!
+//! Layout ([`QMat`]): rows padded to a multiple of 64 columns (zero weights; padded activations
+//! are zero too), 64-byte aligned. Int8 is stored as the signed bytes themselves (the AVX2 sign
+//! trick wants them; VNNI flips the top bit on load); int4 per 64-column chunk as 32 bytes with
+//! element `j` in the low nibble of byte `j` and element `j + 32` in the high nibble, so one
+//! 256-bit load, a mask and a shift give the two 32-blocks in order. Scales and biases are the
+//! tensor's own (`[rows, cols / group]`); a table maps each 16-column half-block to its group,
+//! and per-row scales (`group == cols`) are applied once after the row's sum. Group sizes must
+//! be multiples of 16 ([`QMat::supports`]); the backend dequantizes others at upload.
+//!
+//! Scheduling mirrors the float path: rayon over row chunks; within a chunk, tokens in blocks
+//! (4 for decode-sized batches, so the weights stream once per 4 tokens; 32 for prefill, whose
+//! int8 rows then stay in cache while every row tile of the chunk runs over them) and register
+//! tiles of `R` rows x `T` tokens (each weight load reused for `T` tokens, each activation load
+//! for `R` rows). Paths: [`super::qavx512`] (VNNI), [`super::qavx2`] (`vpmaddubsw`), and the
+//! portable scalar kernel here, which is the reference.
+
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use spark_core::quant::{QFormat, QTensor};
+use spark_core::DType;
+
+use super::QSimd;
+
+/// Activation block (values sharing one int8 scale).
+pub const QBLOCK: usize = 32;
+/// Column padding of the packed rows (one int4 chunk, one AVX-512 register of int8).
+pub const QCHUNK: usize = 64;
+
+/// How a 32-block finds its weight scales (all groups are multiples of 16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleMode {
+    /// One scale per row (`group == cols`): applied once, after the row's sum.
+    Row,
+    /// `group % 64 == 0`: one scale per 64-column chunk.
+    Chunk,
+    /// `group % 32 == 0`: one scale per 32-block.
+    Block,
+    /// `group % 16 == 0`: one scale per 16-column half-block.
+    Half,
+}
+
+/// A quantized matrix in the kernels' layout (see the module documentation).
+pub struct QMat {
+    pub format: QFormat,
+    pub rows: usize,
+    /// Logical columns.
+    pub cols: usize,
+    /// Columns padded to a multiple of [`QCHUNK`].
+    pub kp: usize,
+    pub group: usize,
+    /// Groups per row (`cols / group`).
+    pub ng: usize,
+    pub mode: ScaleMode,
+    data: Vec<u8>,
+    /// Offset of the first row in `data` (64-byte aligned).
+    off: usize,
+    /// Shared with the [`QTensor`] (no copy).
+    scales: Arc<Vec<f32>>,
+    bias: Option<Arc<Vec<f32>>>,
+    /// Group of each 16-column half-block, `kp / 16` entries (padding: the last group).
+    sidx: Vec<u32>,
+}
+
+impl std::fmt::Debug for QMat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "QMat([{}, {}] {} group {} {:?})", self.rows, self.cols, self.format, self.group, self.mode)
+    }
+}
+
+impl QMat {
+    /// Whether the integer kernels take this tensor (groups must be multiples of 16).
+    pub fn supports(q: &QTensor) -> bool {
+        q.group > 0 && q.group.is_multiple_of(16) && q.cols > 0 && q.cols.is_multiple_of(q.group) && q.rows > 0
+    }
+
+    /// Bytes of one packed row.
+    pub fn row_bytes(&self) -> usize {
+        match self.format {
+            QFormat::I8 => self.kp,
+            QFormat::I4 => self.kp / 2,
+        }
+    }
+
+    /// Repack `q` (checked with [`QMat::supports`] and `validate`), one row at a time into the
+    /// final buffer (no intermediate copy of the whole matrix).
+    pub fn from_qtensor(q: &QTensor) -> QMat {
+        assert!(QMat::supports(q), "QMat::from_qtensor: unsupported group {} for {} columns", q.group, q.cols);
+        let (rows, cols, group) = (q.rows, q.cols, q.group);
+        let kp = cols.div_ceil(QCHUNK) * QCHUNK;
+        let ng = cols / group;
+        let mode = if ng == 1 {
+            ScaleMode::Row
+        } else if group.is_multiple_of(64) {
+            ScaleMode::Chunk
+        } else if group.is_multiple_of(32) {
+            ScaleMode::Block
+        } else {
+            ScaleMode::Half
+        };
+        let rb = match q.format {
+            QFormat::I8 => kp,
+            QFormat::I4 => kp / 2,
+        };
+        // Padding value: int8 q = 0; int4 q = 0 is nibble 8.
+        let pad = match q.format {
+            QFormat::I8 => 0u8,
+            QFormat::I4 => 0x88u8,
+        };
+        let mut data = vec![pad; rows * rb + 64];
+        let off = data.as_ptr().align_offset(64).min(64);
+        for r in 0..rows {
+            let src = q.q_row(r);
+            let dst = &mut data[off + r * rb..off + (r + 1) * rb];
+            match q.format {
+                QFormat::I8 => dst[..cols].copy_from_slice(src),
+                QFormat::I4 => {
+                    let nib = |c: usize| if c < cols { (src[c / 2] >> (4 * (c % 2))) & 0xF } else { 8 };
+                    for (ci, chunk) in dst.chunks_exact_mut(QCHUNK / 2).enumerate() {
+                        let c0 = ci * QCHUNK;
+                        for (j, d) in chunk.iter_mut().enumerate() {
+                            *d = nib(c0 + j) | (nib(c0 + j + 32) << 4);
+                        }
+                    }
+                }
+            }
+        }
+        let sidx = (0..kp / 16).map(|h| ((h * 16 / group).min(ng - 1)) as u32).collect();
+        QMat {
+            format: q.format,
+            rows,
+            cols,
+            kp,
+            group,
+            ng,
+            mode,
+            data,
+            off,
+            scales: q.scales.clone(),
+            bias: q.bias.clone(),
+            sidx,
+        }
+    }
+
+    /// All packed rows.
+    pub fn packed(&self) -> &[u8] {
+        &self.data[self.off..self.off + self.rows * self.row_bytes()]
+    }
+    /// Scales, `[rows, ng]`.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+    /// Biases, `[rows, ng]`, if any.
+    pub fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_ref().map(|b| b.as_slice())
+    }
+    /// Group of each 16-column half-block (`kp / 16` entries).
+    pub fn half_groups(&self) -> &[u32] {
+        &self.sidx
+    }
+
+    /// Bytes held (values, scales, biases, table).
+    pub fn nbytes(&self) -> usize {
+        self.data.len() + 4 * (self.scales.len() + self.bias.as_ref().map_or(0, |b| b.len()) + self.sidx.len())
+    }
+
+    /// The integer value of element `c` of row `r` minus the zero point.
+    #[inline]
+    pub fn qval(&self, r: usize, c: usize) -> i32 {
+        let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
+        match self.format {
+            QFormat::I8 => row[c] as i8 as i32,
+            QFormat::I4 => {
+                let b = row[(c / QCHUNK) * 32 + c % 32];
+                (if c % QCHUNK < 32 { b & 0xF } else { b >> 4 }) as i32 - 8
+            }
+        }
+    }
+
+    /// Row `r` dequantized into `out` (`cols` long), with the same float operations as
+    /// [`QTensor::dequant_row`] (so the results are identical).
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols, "dequant_row: output length");
+        let s = &self.scales[r * self.ng..(r + 1) * self.ng];
+        let b = self.bias.as_ref().map(|b| &b[r * self.ng..(r + 1) * self.ng]);
+        for (c, o) in out.iter_mut().enumerate() {
+            let g = c / self.group;
+            *o = s[g] * self.qval(r, c) as f32 + b.map_or(0.0, |b| b[g]);
+        }
+    }
+}
+
+/// Activations quantized for one matmul call: per token, `kp` int8 values (zero padded), one
+/// f32 scale per 32-block, and per weight group the float sum `A` of its quantized values.
+pub struct QAct {
+    pub n: usize,
+    pub kp: usize,
+    /// `[n, kp]` int8 values.
+    pub q: Vec<i8>,
+    /// `[n, kp / 32]` block scales.
+    pub d: Vec<f32>,
+    /// `[n, ng]`: `A[t, g] = sum_{c in g} d[t, c / 32] * q[t, c]`.
+    pub a: Vec<f32>,
+    pub ng: usize,
+    /// `[n, kp / 4]`: the sum of each 4 consecutive values of `q` (zero-point corrections).
+    pub s4: Vec<i32>,
+}
+
+impl QAct {
+    /// Quantize `x` (`[n, k]`) for the weight `w` (its padding and groups), with the best
+    /// activation path this CPU has (every path gives identical values).
+    pub fn quantize(x: &[f32], n: usize, k: usize, w: &QMat) -> QAct {
+        Self::quantize_with(QSimd::detect(), x, n, k, w)
+    }
+
+    /// As [`QAct::quantize`] with a given path (capped at what the CPU has). Tokens are
+    /// quantized in parallel on the current rayon pool when there are many.
+    pub fn quantize_with(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat) -> QAct {
+        assert_eq!(k, w.cols, "QAct::quantize: columns");
+        assert_eq!(x.len(), n * k, "QAct::quantize: x has the wrong size");
+        let simd = qs.min(QSimd::detect()) >= QSimd::Avx2;
+        let (kp, ng) = (w.kp, w.ng);
+        let nb = kp / QBLOCK;
+        let mut qa =
+            QAct { n, kp, q: vec![0; n * kp], d: vec![0.0; n * nb], a: vec![0.0; n * ng], ng, s4: vec![0; n * kp / 4] };
+        type Token<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [i32]), (&'a mut [f32], &'a mut [f32]));
+        let one = |(((xr, q), s4), (d, a)): Token<'_>| {
+            quantize_row(xr, q, s4, d, a, &w.sidx, simd);
+        };
+        if n >= 8 {
+            x.par_chunks(k.max(1))
+                .zip(qa.q.par_chunks_mut(kp))
+                .zip(qa.s4.par_chunks_mut(kp / 4))
+                .zip(qa.d.par_chunks_mut(nb).zip(qa.a.par_chunks_mut(ng)))
+                .for_each(one);
+        } else {
+            x.chunks(k.max(1))
+                .zip(qa.q.chunks_mut(kp))
+                .zip(qa.s4.chunks_mut(kp / 4))
+                .zip(qa.d.chunks_mut(nb).zip(qa.a.chunks_mut(ng)))
+                .for_each(one);
+        }
+        qa
+    }
+
+    /// Token `t`'s values.
+    pub fn q_row(&self, t: usize) -> &[i8] {
+        &self.q[t * self.kp..(t + 1) * self.kp]
+    }
+    /// Token `t`'s block scales.
+    pub fn d_row(&self, t: usize) -> &[f32] {
+        let nb = self.kp / QBLOCK;
+        &self.d[t * nb..(t + 1) * nb]
+    }
+    /// Token `t`'s group sums.
+    pub fn a_row(&self, t: usize) -> &[f32] {
+        &self.a[t * self.ng..(t + 1) * self.ng]
+    }
+    /// The dequantized value of token `t`, column `c` (`d * q`).
+    pub fn value(&self, t: usize, c: usize) -> f32 {
+        self.d_row(t)[c / QBLOCK] * self.q_row(t)[c] as f32
+    }
+}
+
+/// One token: `q`/`d` from `x`, and the group sums `a` (via the half-block sums). `simd`: full
+/// blocks through [`super::qavx2::quantize_block`] (identical results).
+fn quantize_row(x: &[f32], q: &mut [i8], s4: &mut [i32], d: &mut [f32], a: &mut [f32], sidx: &[u32], simd: bool) {
+    a.fill(0.0);
+    quantize_values(x, q, d, a, sidx, simd);
+    for (o, quad) in s4.iter_mut().zip(q.chunks_exact(4)) {
+        *o = quad.iter().map(|&v| v as i32).sum();
+    }
+}
+
+/// `q`, `d` and `a` of one token.
+fn quantize_values(x: &[f32], q: &mut [i8], d: &mut [f32], a: &mut [f32], sidx: &[u32], simd: bool) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = simd;
+    for (b, db) in d.iter_mut().enumerate() {
+        let c0 = b * QBLOCK;
+        if c0 >= x.len() {
+            *db = 0.0;
+            continue;
+        }
+        let xs = &x[c0..(c0 + QBLOCK).min(x.len())];
+        let qs = &mut q[c0..c0 + xs.len()];
+        #[cfg(target_arch = "x86_64")]
+        if simd && xs.len() == QBLOCK {
+            // SAFETY: `simd` is only set when AVX2 was detected; both blocks hold 32 values.
+            if let Some((s, sums)) = unsafe { super::qavx2::quantize_block(xs.as_ptr(), qs.as_mut_ptr()) } {
+                *db = s;
+                for (h, &sum) in sums.iter().enumerate() {
+                    a[sidx[2 * b + h] as usize] += s * sum as f32;
+                }
+                continue;
+            }
+        }
+        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        if amax == 0.0 || !xs.iter().all(|v| v.is_finite()) {
+            // Zeros; or a non-finite input, which the NaN scale carries into every output.
+            qs.fill(0);
+            *db = if xs.iter().all(|v| v.is_finite()) { 0.0 } else { f32::NAN };
+            continue;
+        }
+        let s = amax / 127.0;
+        let inv = 1.0 / s;
+        let mut sums = [0i32; 2];
+        for (j, (o, &v)) in qs.iter_mut().zip(xs).enumerate() {
+            let qi = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+            *o = qi;
+            sums[j / 16] += qi as i32;
+        }
+        *db = s;
+        for (h, &sum) in sums.iter().enumerate() {
+            a[sidx[2 * b + h] as usize] += s * sum as f32;
+        }
+    }
+}
+
+/// A pointer that may be shared across threads that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: used only to write disjoint (token, row) cells from different threads.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// Write `v` at `out[idx]`.
+    ///
+    /// # Safety
+    /// The cell must be inside the buffer and written by no other thread.
+    #[inline]
+    unsafe fn put(self, idx: usize, v: f32) {
+        *self.0.add(idx) = v;
+    }
+}
+
+/// Below this many tokens, tokens go 4 at a time over the whole row chunk (decode: the weights
+/// stream once per 4 tokens); from it on, in blocks of [`PREFILL_TOKENS`].
+const SMALL_BATCH: usize = 16;
+/// Bytes of int8 activations per prefill token block (they stay in L2 while a row chunk runs
+/// over them; each block streams the chunk's weights once).
+const PREFILL_BYTES: usize = 256 * 1024;
+
+/// What a tile kernel needs: the row tile, the token tile, the scale table.
+pub(crate) struct TileArgs<'a> {
+    /// Packed rows, `row_bytes` apart, starting at the tile's first row.
+    pub w: *const u8,
+    pub row_bytes: usize,
+    /// Scales of the tile's first row, `ng` apart.
+    pub s: *const f32,
+    pub ng: usize,
+    pub sidx: &'a [u32],
+    /// The token tile's int8 rows (`kp` apart) and block scales (`kp / 32` apart).
+    pub q: *const i8,
+    pub d: *const f32,
+    /// The token tile's 4-column sums (`kp / 4` apart).
+    pub s4: *const i32,
+    pub kp: usize,
+}
+
+/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` with `x` quantized per 32-block.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
+    let m = w.rows;
+    assert_eq!(out.len(), n * m, "qmatmul: out has the wrong size");
+    let qs = qs.min(QSimd::detect());
+    let act = QAct::quantize(x, n, k, w);
+    qmatmul_quantized(qs, &act, w, out, round);
+}
+
+/// [`qmatmul`] on activations already quantized (tests compare against the same ones).
+pub fn qmatmul_quantized(qs: QSimd, act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
+    let (n, m) = (act.n, w.rows);
+    assert_eq!(out.len(), n * m, "qmatmul: out has the wrong size");
+    assert_eq!(act.kp, w.kp, "qmatmul: activations quantized for another weight");
+    let qs = qs.min(QSimd::detect());
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+    let outp = SharedOut(out.as_mut_ptr());
+    // Prefill: as many tokens as fit in about 256 KiB of int8 rows (a multiple of 4, 16..=128).
+    let tb = if n < SMALL_BATCH { 4 } else { (PREFILL_BYTES / w.kp).clamp(16, 128) / 4 * 4 };
+    (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let r0 = c * chunk;
+        let r1 = (r0 + chunk).min(m);
+        let mut tmp = vec![0.0f32; tb * (r1 - r0)];
+        let mut t0 = 0;
+        while t0 < n {
+            let nt = tb.min(n - t0);
+            // tmp[i * (r1 - r0) + (r - r0)] for token t0 + i.
+            rows_tokens(qs, act, w, r0, r1, t0, nt, &mut tmp);
+            let ld = r1 - r0;
+            for i in 0..nt {
+                let t = t0 + i;
+                let a_t = act.a_row(t);
+                for r in r0..r1 {
+                    let mut v = tmp[i * ld + r - r0];
+                    if let Some(b) = &w.bias {
+                        v += dot8(a_t, &b[r * w.ng..(r + 1) * w.ng]);
+                    }
+                    // SAFETY: t < n and r < m, so the cell is inside `out`; rows [r0, r1) belong
+                    // to this task only.
+                    unsafe { outp.put(t * m + r, round.round(v)) };
+                }
+            }
+            t0 += nt;
+        }
+    });
+}
+
+/// `sum_i a[i] * b[i]` in eight interleaved partial sums (vectorizes; the bias term).
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for j in 0..8 {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The integer part of rows `r0..r1` x tokens `t0..t0+nt` into `tmp` (`[nt][r1 - r0]`).
+#[allow(clippy::too_many_arguments)]
+fn rows_tokens(qs: QSimd, act: &QAct, w: &QMat, r0: usize, r1: usize, t0: usize, nt: usize, tmp: &mut [f32]) {
+    let rb = w.row_bytes();
+    let nb = w.kp / QBLOCK;
+    let args = |r: usize, t: usize| TileArgs {
+        w: w.packed()[r * rb..].as_ptr(),
+        row_bytes: rb,
+        s: w.scales[r * w.ng..].as_ptr(),
+        ng: w.ng,
+        sidx: &w.sidx,
+        q: act.q[t * w.kp..].as_ptr(),
+        d: act.d[t * nb..].as_ptr(),
+        s4: act.s4[t * w.kp / 4..].as_ptr(),
+        kp: w.kp,
+    };
+    let ld = r1 - r0;
+    match qs {
+        #[cfg(target_arch = "x86_64")]
+        QSimd::Avx2 => {
+            // SAFETY: QSimd::Avx2 (clamped to the detected level) implies AVX2 and FMA; every
+            // tile's rows and tokens are inside `w` and `act`; `tmp` holds nt * ld.
+            unsafe { super::qavx2::rows_tokens(w.format, w.mode, &args, r0, r1, t0, nt, tmp, ld) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        QSimd::Avx512Vnni => {
+            // SAFETY: QSimd::Avx512Vnni (clamped to the detected level) implies AVX-512F/BW/VNNI
+            // and AVX2/FMA; tiles as above.
+            unsafe { super::qavx512::rows_tokens(w.format, w.mode, &args, r0, r1, t0, nt, tmp, ld) }
+        }
+        _ => {
+            for i in 0..nt {
+                for r in r0..r1 {
+                    tmp[i * ld + r - r0] = portable_dot(act, w, r, t0 + i);
+                }
+            }
+        }
+    }
+}
+
+/// The reference kernel: per 32-block, the exact integer dot of each 16-column half, scaled by
+/// `d * s` in f32 (signed weights, so no zero-point correction).
+pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
+    let rb = w.row_bytes();
+    let row = &w.packed()[r * rb..(r + 1) * rb];
+    let s = &w.scales[r * w.ng..(r + 1) * w.ng];
+    let qa = act.q_row(t);
+    let d = act.d_row(t);
+    let mut acc = 0.0f32;
+    for (b, &db) in d.iter().enumerate() {
+        let mut sums = [0i32; 2];
+        for (j, &a) in qa[b * QBLOCK..(b + 1) * QBLOCK].iter().enumerate() {
+            let c = b * QBLOCK + j;
+            let wq = match w.format {
+                QFormat::I8 => row[c] as i8 as i32,
+                QFormat::I4 => {
+                    let byte = row[(c / QCHUNK) * 32 + c % 32];
+                    (if c % QCHUNK < 32 { byte & 0xF } else { byte >> 4 }) as i32 - 8
+                }
+            };
+            sums[j / 16] += wq * a as i32;
+        }
+        let (s0, s1) = (s[w.sidx[2 * b] as usize], s[w.sidx[2 * b + 1] as usize]);
+        if s0 == s1 {
+            acc += (sums[0] + sums[1]) as f32 * (db * s0);
+        } else {
+            acc += sums[0] as f32 * (db * s0) + sums[1] as f32 * (db * s1);
+        }
+    }
+    acc
+}

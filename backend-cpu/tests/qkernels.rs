@@ -1,0 +1,369 @@
+//! The integer matmul kernels (W8A8 / W4A8) on odd shapes, every format/group/bias combination
+//! the loaders produce, every integer SIMD level this CPU has, 1 and 2 threads:
+//!
+//! - against an f64 reference from `QTensor::dequantize()` and the same quantized activations
+//!   (only the float summation order differs: within 1e-5 of the sum of |terms|);
+//! - against the float matmul of the dequantized weights with the unquantized activations,
+//!   within the bound 8-bit activation quantization implies: each activation is off by at most
+//!   half a step, `max|x_block| / 254`, so `|err| <= sum_c |w_c| * max|x_block(c)| / 254`;
+//! - the backend: `upload_quant` repacks (the weight reports its format), `matmul` and `embed`
+//!   on a quantized table, and the dequantized-float fallback for groups the kernels refuse.
+
+use std::sync::Arc;
+
+use spark_backend_cpu::kernels::matmul::{matmul, Mat};
+use spark_backend_cpu::kernels::qmatmul::{qmatmul, qmatmul_quantized, QAct, QMat};
+use spark_backend_cpu::kernels::QSimd;
+use spark_backend_cpu::{CpuBackend, CpuTensor, Simd};
+use spark_core::backend::{Backend, WeightRole};
+use spark_core::quant::{QFormat, QTensor};
+use spark_core::weights::TensorBytes;
+use spark_core::DType;
+
+fn lcg(seed: &mut u64) -> u32 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (*seed >> 33) as u32
+}
+
+fn unit(seed: &mut u64) -> f32 {
+    (lcg(seed) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+}
+
+/// A random quantized matrix: every byte value (int8 -128..=127, both nibbles), scales of both
+/// signs (GGUF K-quants have signed sub-scales) and some zero, optional biases.
+fn random_q(rows: usize, cols: usize, format: QFormat, group: usize, bias: bool, seed: &mut u64) -> QTensor {
+    let q: Vec<u8> = (0..rows * format.row_bytes(cols)).map(|_| lcg(seed) as u8).collect();
+    let ng = rows * cols / group;
+    let scales: Vec<f32> =
+        (0..ng).map(|i| if i % 11 == 5 { 0.0 } else { unit(seed) * 0.02 * (1.0 + (i % 3) as f32) }).collect();
+    let bias = bias.then(|| Arc::new((0..ng).map(|_| unit(seed) * 0.05).collect::<Vec<f32>>()));
+    let t = QTensor {
+        name: "w".into(),
+        format,
+        rows,
+        cols,
+        group,
+        q: TensorBytes::Owned(Arc::new(q)),
+        scales: Arc::new(scales),
+        bias,
+    };
+    t.validate().unwrap();
+    t
+}
+
+/// Activations with a few large columns (outliers) and an all-zero block in token 1.
+fn random_x(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..n * k).map(|i| unit(seed) * if (i % k) % 29 == 3 { 8.0 } else { 1.0 }).collect();
+    if n > 1 && k >= 64 {
+        x[k + 32..k + 64].fill(0.0);
+    }
+    x
+}
+
+/// Every (format, group, bias) the loaders produce, plus half-block groups (48, int4 16).
+fn combos(cols: usize) -> Vec<(QFormat, usize, bool, &'static str)> {
+    let all = [
+        (QFormat::I8, cols, false, "int8 per-row"),
+        (QFormat::I8, 32, false, "int8 g32 (Q8_0)"),
+        (QFormat::I8, 16, false, "int8 g16 (Q6_K)"),
+        (QFormat::I8, 32, true, "int8 g32+bias (Q5_K)"),
+        (QFormat::I8, 48, false, "int8 g48"),
+        (QFormat::I4, 32, false, "int4 g32 (Q4_0)"),
+        (QFormat::I4, 64, false, "int4 g64"),
+        (QFormat::I4, 128, false, "int4 g128"),
+        (QFormat::I4, 32, true, "int4 g32+bias (Q4_K)"),
+        (QFormat::I4, 16, false, "int4 g16"),
+    ];
+    all.into_iter().filter(|&(_, g, _, _)| cols.is_multiple_of(g)).collect()
+}
+
+/// The integer levels this CPU has (the others are skipped, said once per test binary).
+fn levels() -> Vec<QSimd> {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let all = [QSimd::Portable, QSimd::Avx2, QSimd::Avx512Vnni];
+    SAID.call_once(|| {
+        for q in all.iter().filter(|&&q| q > QSimd::detect()) {
+            eprintln!("skipped: this CPU has no {q:?} (or SPARK_CPU_SIMD caps it)");
+        }
+    });
+    all.into_iter().filter(|&q| q <= QSimd::detect()).collect()
+}
+
+#[test]
+fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
+    let mut seed = 11u64;
+    let pools: Vec<_> =
+        [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+    for &(cols, rows) in &[(32, 37), (96, 37), (128, 21), (160, 37), (2080, 19), (2176, 7)] {
+        for (format, group, bias, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, &mut seed);
+            let deq = qt.dequantize();
+            let w = QMat::from_qtensor(&qt);
+            for &n in &[1usize, 2, 3, 5, 17, 33] {
+                let x = random_x(n, cols, &mut seed);
+                let act = QAct::quantize(&x, n, cols, &w);
+                // f64 reference: dequantized weights times the dequantized int8 activations.
+                let mut want = vec![0.0f64; n * rows];
+                let mut mag = vec![0.0f64; n * rows];
+                for t in 0..n {
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            let term = deq[r * cols + c] as f64 * act.value(t, c) as f64;
+                            want[t * rows + r] += term;
+                            mag[t * rows + r] += term.abs();
+                        }
+                    }
+                }
+                for qs in levels() {
+                    for pool in &pools {
+                        let mut out = vec![f32::NAN; n * rows];
+                        pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
+                        for i in 0..n * rows {
+                            let err = (out[i] as f64 - want[i]).abs();
+                            assert!(
+                                err <= 1e-5 * mag[i] + 1e-30,
+                                "{what} {qs:?} {} threads n={n} cols={cols} rows={rows}: out[{i}] = {} want {} \
+                                 (sum|terms| {})",
+                                pool.current_num_threads(),
+                                out[i],
+                                want[i],
+                                mag[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn integer_kernels_are_within_the_activation_quantization_bound_of_float() {
+    let mut seed = 5u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let (mut worst_ratio, mut worst_rel, mut worst_stat) = (0.0f64, 0.0f64, 0.0f64);
+    for &(cols, rows) in &[(96, 37), (160, 37), (2080, 19)] {
+        for (format, group, bias, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, &mut seed);
+            let deq = qt.dequantize();
+            let w = QMat::from_qtensor(&qt);
+            for &n in &[1usize, 5, 17] {
+                let x = random_x(n, cols, &mut seed);
+                let mut fl = vec![0.0f32; n * rows];
+                pool.install(|| matmul(Simd::detect(), &x, n, cols, Mat::F32(&deq), rows, &mut fl, DType::F32));
+                // The bound: half a quantization step per activation, times |w|; and the
+                // expected RMS error for uniform rounding errors (step^2 / 12 per activation).
+                let mut bound = vec![0.0f64; n * rows];
+                let mut mag = vec![0.0f64; n * rows];
+                let mut var = 0.0f64;
+                for t in 0..n {
+                    let xr = &x[t * cols..(t + 1) * cols];
+                    let amax: Vec<f32> = xr.chunks(32).map(|b| b.iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            let wv = deq[r * cols + c].abs() as f64;
+                            bound[t * rows + r] += wv * amax[c / 32] as f64 / 254.0;
+                            var += (wv * amax[c / 32] as f64 / 127.0).powi(2) / 12.0;
+                            mag[t * rows + r] += wv * xr[c].abs() as f64;
+                        }
+                    }
+                }
+                for qs in levels() {
+                    let mut out = vec![0.0f32; n * rows];
+                    pool.install(|| qmatmul(qs, &x, n, cols, &w, &mut out, DType::F32));
+                    let (mut num, mut den) = (0.0f64, 0.0f64);
+                    let (mut se, mut sv) = (0.0f64, 0.0f64);
+                    for i in 0..n * rows {
+                        let err = (out[i] as f64 - fl[i] as f64).abs();
+                        let b = bound[i] * 1.0001 + 1e-5 * mag[i];
+                        assert!(
+                            err <= b,
+                            "{what} {qs:?} n={n} cols={cols}: |{} - {}| = {err} > bound {b}",
+                            out[i],
+                            fl[i]
+                        );
+                        worst_ratio = worst_ratio.max(err / b.max(1e-30));
+                        num += err * err;
+                        den += (fl[i] as f64).powi(2);
+                        se += err * err;
+                    }
+                    sv += var;
+                    worst_rel = worst_rel.max((num / den.max(1e-30)).sqrt());
+                    // Statistically: the RMS error is that of uniform rounding (allow 2x).
+                    let (rms, expect) = ((se / (n * rows) as f64).sqrt(), (sv / (n * rows) as f64).sqrt());
+                    assert!(rms <= 2.0 * expect + 1e-6, "{what} {qs:?} n={n}: RMS error {rms:e}, expected {expect:e}");
+                    worst_stat = worst_stat.max(rms / expect.max(1e-30));
+                }
+            }
+        }
+    }
+    // These activations have outliers (8x every 29th column), which coarsen their blocks'
+    // steps, and random weights cancel: a relative RMS error of a few percent is expected here
+    // (a real model's logits: see tests/tests/quant_e2e.rs).
+    eprintln!(
+        "W8A8/W4A8 vs float: worst |err| / hard bound {worst_ratio:.3}, worst RMS error / expected {worst_stat:.2}, \
+         worst relative RMS error {worst_rel:.2e}"
+    );
+    assert!(worst_rel < 5e-2, "relative RMS error {worst_rel}");
+}
+
+#[test]
+fn backend_repacks_quantized_weights_and_embeds_them() {
+    let mut seed = 3u64;
+    let (rows, cols) = (45, 160);
+    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+        if simd > Simd::detect() {
+            continue;
+        }
+        let b = CpuBackend::with_simd(Some(2), simd).unwrap();
+        for (format, group, bias, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, &mut seed);
+            let w = b.upload_quant(&qt, WeightRole::Embedding, DType::F32).unwrap();
+            assert_eq!(w.quant_format(), Some((format, group)), "{what}: not repacked for the integer kernels");
+            // Embedding rows are the exact dequantized rows.
+            let ids = [0u32, 44, 7, 7];
+            let mut e = b.alloc(ids.len(), cols).unwrap();
+            b.embed(&w, &ids, &mut e).unwrap();
+            let deq = qt.dequantize();
+            for (i, &id) in ids.iter().enumerate() {
+                let want = &deq[id as usize * cols..(id as usize + 1) * cols];
+                assert_eq!(&e.data[i * cols..(i + 1) * cols], want, "{what}: embedding row {id}");
+            }
+            // matmul through the backend = the kernel entry point at the backend's level.
+            let n = 3;
+            let x = CpuTensor { rows: n, cols, data: random_x(n, cols, &mut seed) };
+            let mut out = b.alloc(n, rows).unwrap();
+            b.matmul(&x, &w, &mut out, DType::BF16).unwrap();
+            let mut direct = vec![0.0; n * rows];
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+            pool.install(|| qmatmul(simd.qsimd(), &x.data, n, cols, w.quant().unwrap(), &mut direct, DType::BF16));
+            for (a, d) in out.data.iter().zip(&direct) {
+                assert!((a - d).abs() <= 1e-2 * d.abs().max(1e-3), "{what} {simd:?}: {a} vs {d}");
+                assert_eq!(*a, half::bf16::from_f32(*a).to_f32(), "output not rounded to bf16");
+            }
+        }
+    }
+    // Groups that are not multiples of 16 are dequantized to a float weight.
+    let b = CpuBackend::new(Some(1)).unwrap();
+    let qt = random_q(5, 100, QFormat::I8, 10, false, &mut seed);
+    let w = b.upload_quant(&qt, WeightRole::Matrix, DType::F32).unwrap();
+    assert_eq!(w.quant_format(), None);
+    let x = CpuTensor { rows: 1, cols: 100, data: random_x(1, 100, &mut seed) };
+    let mut out = b.alloc(1, 5).unwrap();
+    b.matmul(&x, &w, &mut out, DType::F32).unwrap();
+    let deq = qt.dequantize();
+    for r in 0..5 {
+        let want: f32 = (0..100).map(|c| deq[r * 100 + c] * x.data[c]).sum();
+        assert!((out.data[r] - want).abs() < 1e-4, "fallback row {r}");
+    }
+}
+
+#[test]
+fn non_finite_activations_give_nan_outputs() {
+    let mut seed = 9u64;
+    let (rows, cols, n) = (29, 2080, 4);
+    let qt = random_q(rows, cols, QFormat::I8, cols, false, &mut seed);
+    let w = QMat::from_qtensor(&qt);
+    let mut x = random_x(n, cols, &mut seed);
+    x[cols + 5] = f32::NAN;
+    x[2 * cols + 100] = f32::INFINITY;
+    for qs in levels() {
+        let mut out = vec![0.0; n * rows];
+        qmatmul(qs, &x, n, cols, &w, &mut out, DType::F32);
+        assert!(out[..rows].iter().all(|v| v.is_finite()), "{qs:?}: token 0 has no NaN input");
+        assert!(out[rows..3 * rows].iter().all(|v| v.is_nan()), "{qs:?}: NaN/inf input must give NaN outputs");
+        assert!(out[3 * rows..].iter().all(|v| v.is_finite()), "{qs:?}: token 3 has no NaN input");
+    }
+}
+
+/// On-CPU nanoseconds of the calling thread (robust to a shared, busy machine).
+fn thread_cpu_ns() -> u64 {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
+    s.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// Kernel speed on one thread, in on-CPU time (not a test: `cargo test --release -p backend-cpu
+/// --test qkernels -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn bench_kernels() {
+    let mut seed = 1u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    for &(m, k) in &[(512usize, 2048usize), (6656, 2048), (2048, 6656)] {
+        let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
+        let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        for &n in &[1usize, 4, 64] {
+            if std::env::var("QBENCH_N").is_ok_and(|v| v != n.to_string()) {
+                continue;
+            }
+            let x = random_x(n, k, &mut seed);
+            let mut out = vec![0.0f32; n * m];
+            // The best of 5 windows of at least 0.1 s of CPU time each (the counter moves in
+            // scheduler ticks; the best window is the least disturbed by other processes).
+            let time = |f: &mut (dyn FnMut() + Send)| {
+                pool.install(|| {
+                    f();
+                    let mut best = f64::INFINITY;
+                    for _ in 0..5 {
+                        let t = thread_cpu_ns();
+                        let mut reps = 0;
+                        while thread_cpu_ns() - t < 100_000_000 {
+                            f();
+                            reps += 1;
+                        }
+                        best = best.min((thread_cpu_ns() - t) as f64 / reps as f64 * 1e-9);
+                    }
+                    best
+                })
+            };
+            let s = time(&mut || matmul(Simd::detect(), &x, n, k, Mat::BF16(&bf), m, &mut out, DType::F32));
+            eprintln!("m={m} k={k} n={n}: bf16 float {:.2} ms ({:.1} GB/s)", s * 1e3, (m * k * 2) as f64 / s * 1e-9);
+            for (format, group) in [(QFormat::I8, k), (QFormat::I8, 32), (QFormat::I4, 32), (QFormat::I4, 64)] {
+                let qt = random_q(m, k, format, group, false, &mut seed);
+                let w = QMat::from_qtensor(&qt);
+                for qs in levels() {
+                    if qs == QSimd::Portable {
+                        continue;
+                    }
+                    let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
+                    eprintln!(
+                        "  {format} g{group} {qs:?}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        s * 1e3,
+                        qt.nbytes() as f64 / s * 1e-9,
+                        (m * k * n) as f64 / s * 1e-9
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn activation_quantization_is_identical_on_every_path() {
+    let mut seed = 21u64;
+    let qt = random_q(3, 2080, QFormat::I8, 16, false, &mut seed);
+    let w = QMat::from_qtensor(&qt);
+    let mut x = random_x(9, 2080, &mut seed);
+    // Exact ties after scaling, tiny values, a zero block, a non-finite block.
+    for (i, v) in x[..32].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 0.5;
+    }
+    x[40] = 1e-30;
+    x[3 * 2080 + 70] = f32::INFINITY;
+    let r = QAct::quantize_with(QSimd::Portable, &x, 9, 2080, &w);
+    for qs in levels() {
+        let o = QAct::quantize_with(qs, &x, 9, 2080, &w);
+        assert_eq!(o.q, r.q, "{qs:?} values");
+        assert_eq!(
+            o.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            r.d.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            o.a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            r.a.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    // Symmetric, round half to even: max|x| maps to 127.
+    assert_eq!(r.q[0], -127);
+    assert!(r.d[0] > 0.0);
+}
