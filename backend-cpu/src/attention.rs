@@ -11,7 +11,7 @@ use spark_core::backend::{AttnChunk, AttnShape};
 use spark_core::kv::{KvKind, KvSpec};
 use spark_core::{DType, Error, Result};
 
-use crate::kernels::{axpy, dot, Row, Simd};
+use crate::kernels::{axpy, dot, Row, SharedOut, Simd};
 use crate::CpuTensor;
 
 #[derive(Clone)]
@@ -144,19 +144,6 @@ impl CpuKv {
         }
         self.len = end;
         Ok(())
-    }
-}
-
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: each task writes only its own (row, head) slice of the output.
-unsafe impl Send for SharedOut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 

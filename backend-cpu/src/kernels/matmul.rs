@@ -14,7 +14,7 @@ use spark_core::DType;
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2::{self, Bf16, Elem, F16, PANEL};
-use super::{dot, Row, Simd};
+use super::{dot, Row, SharedOut, Simd};
 
 /// A weight matrix viewed as rows.
 #[derive(Clone, Copy)]
@@ -32,25 +32,6 @@ impl<'a> Mat<'a> {
             Mat::BF16(d) => Row::BF16(&d[r * k..(r + 1) * k]),
             Mat::F16(d) => Row::F16(&d[r * k..(r + 1) * k]),
         }
-    }
-}
-
-/// A pointer that may be shared across threads that write disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: used only to write disjoint (row, column) cells from different threads.
-unsafe impl Send for SharedOut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// Write `v` at `out[t * m + r]`.
-    ///
-    /// # Safety
-    /// The cell must be inside the buffer and written by no other thread.
-    #[inline]
-    unsafe fn put(self, idx: usize, v: f32) {
-        *self.0.add(idx) = v;
     }
 }
 

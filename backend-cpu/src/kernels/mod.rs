@@ -114,6 +114,31 @@ impl QSimd {
     }
 }
 
+/// An output pointer shared by threads that each write their own disjoint cells (the matmul
+/// and attention drivers split rows and heads across the pool).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedOut(pub(crate) *mut f32);
+// SAFETY: used only to write disjoint cells from different threads.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// Write `v` at `out[idx]`.
+    ///
+    /// # Safety
+    /// The cell must be inside the buffer and written by no other thread.
+    #[inline]
+    pub(crate) unsafe fn put(self, idx: usize, v: f32) {
+        *self.0.add(idx) = v;
+    }
+    /// The raw pointer (for a task that owns a whole slice of the output).
+    #[inline]
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// A row of weights in its stored type.
 #[derive(Clone, Copy)]
 pub enum Row<'a> {

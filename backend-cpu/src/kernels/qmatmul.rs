@@ -45,7 +45,7 @@ use rayon::prelude::*;
 use spark_core::quant::{QFormat, QTensor};
 use spark_core::DType;
 
-use super::QSimd;
+use super::{QSimd, SharedOut};
 
 /// Activation block (values sharing one int8 scale).
 pub const QBLOCK: usize = 32;
@@ -339,25 +339,6 @@ fn quantize_values(x: &[f32], q: &mut [i8], d: &mut [f32], a: &mut [f32], sidx: 
         for (h, &sum) in sums.iter().enumerate() {
             a[sidx[2 * b + h] as usize] += s * sum as f32;
         }
-    }
-}
-
-/// A pointer that may be shared across threads that write disjoint elements.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: used only to write disjoint (token, row) cells from different threads.
-unsafe impl Send for SharedOut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// Write `v` at `out[idx]`.
-    ///
-    /// # Safety
-    /// The cell must be inside the buffer and written by no other thread.
-    #[inline]
-    unsafe fn put(self, idx: usize, v: f32) {
-        *self.0.add(idx) = v;
     }
 }
 

@@ -199,7 +199,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let quant = load::quant(&a.model)?;
     let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name())?;
-    let (bw, _) = if a.n_gen > 0 { roofline(l.threads) } else { (0.0, 0.0) };
+    // The measured ceiling is host memory: meaningful for the CPU backend only (a GPU's HBM
+    // roofline comes from its specification; see docs/BENCHMARKS.md).
+    let (bw, _) = if a.n_gen > 0 && info.backend == "cpu" { roofline(l.threads) } else { (0.0, 0.0) };
 
     let mut rows = vec![];
     let mut seq = 100u64;
