@@ -3,7 +3,7 @@
 //! paths run the same probe and open.
 //!
 //! Probe: one device, the processor, scored by SIMD level for `--backend auto` in the spirit of
-//! ggml's scored CPU variants (portable 10, AVX2+FMA 20; wider ISAs will score higher, up to 50,
+//! ggml's scored CPU variants (portable 10, AVX2+FMA 20, AVX-512F 30, AMX 40,
 //! below any accelerator's 100+).
 
 use std::path::Path;
@@ -24,6 +24,7 @@ pub fn score(simd: Simd) -> i32 {
         Simd::Portable => 10,
         Simd::Avx2 => 20,
         Simd::Avx512 => 30,
+        Simd::Amx => 40,
     }
 }
 

@@ -45,3 +45,58 @@ fn matmul_matches_scalar_reference() {
         }
     }
 }
+
+/// bf16 weights times bf16-valued activations with bf16 output rounding: the case AMX tiles take
+/// (five or more tokens, k a multiple of 32; weights read in place up to 64 tokens, packed and
+/// k-blocked by 512 beyond, short row blocks padded), plus shapes that fall back (few tokens,
+/// odd k).
+/// Every level must land within one bf16 ulp of the f64 result rounded to bf16.
+#[test]
+fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
+    let mut seed = 11u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let shapes = [
+        (2, 32, 1),
+        (2, 64, 17),
+        (3, 96, 33),
+        (16, 32, 16),
+        (17, 128, 31),
+        (33, 64, 48),
+        (64, 256, 70),
+        (5, 2048, 100),
+        (40, 160, 65),
+        (97, 96, 40),
+        (150, 544, 66),
+        (1, 64, 33),
+        (7, 70, 19),
+    ];
+    for &(n, k, m) in &shapes {
+        let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
+        let x: Vec<f32> = (0..n * k).map(|_| bfv(lcg(&mut seed))).collect();
+        let w: Vec<u16> = (0..m * k).map(|_| half::bf16::from_f32(lcg(&mut seed)).to_bits()).collect();
+        let want: Vec<f64> = (0..n * m)
+            .map(|i| {
+                let (t, r) = (i / m, i % m);
+                (0..k).map(|j| x[t * k + j] as f64 * half::bf16::from_bits(w[r * k + j]).to_f64()).sum()
+            })
+            .collect();
+        for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512, Simd::Amx] {
+            if simd > Simd::detect() {
+                eprintln!("skipped: this CPU has no {simd:?}");
+                continue;
+            }
+            let mut out = vec![f32::NAN; n * m];
+            pool.install(|| matmul(simd, &x, n, k, Mat::BF16(&w), m, &mut out, DType::BF16));
+            for (i, (&got, &exact)) in out.iter().zip(&want).enumerate() {
+                let rounded = bfv(exact as f32);
+                // One bf16 ulp at the exact value's magnitude (8 bits of mantissa), and a floor for
+                // sums that cancel to near zero.
+                let ulp = (exact.abs() / 128.0).max(1e-3);
+                assert!(
+                    (got as f64 - rounded as f64).abs() <= ulp,
+                    "{simd:?} n={n} k={k} m={m}: out[{i}] = {got}, reference {exact} (bf16 {rounded})"
+                );
+            }
+        }
+    }
+}

@@ -39,14 +39,24 @@ impl DType {
     }
 
     /// Round an f32 value to this type and back (the identity for F32).
-    #[inline]
+    #[inline(always)]
     pub fn round(self, x: f32) -> f32 {
         match self {
             DType::F32 => x,
-            DType::BF16 => half::bf16::from_f32(x).to_f32(),
+            DType::BF16 => round_bf16(x),
             DType::F16 => half::f16::from_f32(x).to_f32(),
         }
     }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even) and widened back, as `half::bf16::from_f32`
+/// does, but branch-free so loops over it vectorize. NaN stays NaN (quieted).
+#[inline(always)]
+pub fn round_bf16(x: f32) -> f32 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+    let quiet_nan = (b | 0x0040_0000) & 0xffff_0000;
+    f32::from_bits(if x.is_nan() { quiet_nan } else { rounded })
 }
 
 impl std::fmt::Display for DType {
@@ -80,4 +90,41 @@ pub fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_bf16_equals_half_on_edge_cases_and_a_sweep() {
+        let mut cases = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(0x3f80_8000), // a tie that rounds to even (down)
+            f32::from_bits(0x3f81_8000), // a tie that rounds to even (up)
+            f32::from_bits(0x7f7f_ffff), // rounds up to infinity
+        ];
+        let mut bits = 0x0123_4567u32;
+        for _ in 0..200_000 {
+            bits = bits.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            cases.push(f32::from_bits(bits));
+        }
+        for x in cases {
+            let want = half::bf16::from_f32(x).to_f32();
+            let got = round_bf16(x);
+            if x.is_nan() {
+                assert!(got.is_nan(), "{x:e} ({:#x})", x.to_bits());
+            } else {
+                assert_eq!(got.to_bits(), want.to_bits(), "{x:e} ({:#x})", x.to_bits());
+            }
+        }
+    }
 }

@@ -7,6 +7,8 @@
 //! - Prefill (n >= 16) packs 16 weight rows at a time into an f32 panel `[k][16]` (converting
 //!   bf16/f16 once per panel) and runs a broadcast outer-product micro-kernel over 6 (AVX2) or
 //!   12 (AVX-512) tokens x 16 rows ([`avx2::panel_kernel`]) for every token.
+//! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
+//!   least [`AMX_MIN_TOKENS`] tokens run on AMX tiles ([`super::amx`]).
 //! - The portable path computes plain dot products.
 
 use rayon::prelude::*;
@@ -35,6 +37,8 @@ impl<'a> Mat<'a> {
     }
 }
 
+/// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present.
+pub const AMX_MIN_TOKENS: usize = 5;
 /// Below this many tokens, matmuls run as a multi-token GEMV (no panel packing).
 const SMALL_BATCH: usize = 16;
 /// Tokens per AVX2 micro-kernel call.
@@ -47,6 +51,19 @@ const MR_512: usize = super::avx512::MR;
 pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: &mut [f32], round: DType) {
     assert_eq!(x.len(), n * k, "matmul: x has the wrong size");
     assert_eq!(out.len(), n * m, "matmul: out has the wrong size");
+    #[cfg(target_arch = "x86_64")]
+    if let Mat::BF16(d) = w {
+        if simd == Simd::Amx
+            && n >= AMX_MIN_TOKENS
+            && round == DType::BF16
+            && super::amx::supports(k)
+            && super::amx::available()
+        {
+            // SAFETY: amx::available() and supports(k) were checked.
+            unsafe { super::amx::matmul(x, n, k, d, m, out, round) };
+            return;
+        }
+    }
     let threads = rayon::current_num_threads().max(1);
     // Enough chunks to balance the threads, each a multiple of 16 rows.
     let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
@@ -56,7 +73,7 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
         let r1 = (r0 + chunk).min(m);
         #[cfg(target_arch = "x86_64")]
         if simd != Simd::Portable {
-            let wide = simd == Simd::Avx512;
+            let wide = simd >= Simd::Avx512;
             match w {
                 Mat::F32(d) => avx2_rows(x, n, k, d, m, r0, r1, outp, round, wide),
                 // SAFETY: Bf16 and F16 are repr(transparent) over u16.

@@ -1,14 +1,16 @@
 //! CPU kernels: SIMD selection at run time, and the dot products every op is built from.
 //!
-//! [`Simd::detect`] picks AVX-512F or AVX2+FMA(+F16C) when the processor has them, else the
-//! portable path.
-//! `SPARK_CPU_SIMD=portable` or `=avx2` caps the level (tests compare the paths). AVX-512F only
-//! changes the prefill micro-kernel; everything else runs the AVX2 code.
+//! [`Simd::detect`] picks AMX-BF16, AVX-512F or AVX2+FMA(+F16C) when the processor has them, else
+//! the portable path.
+//! `SPARK_CPU_SIMD=portable`, `=avx2` or `=avx512` caps the level (tests compare the paths).
+//! AVX-512F only changes the prefill micro-kernel; AMX only the bf16 matmuls of two or more
+//! tokens whose activations are bf16 ([`amx`]); everything else runs the AVX2 code.
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AVX-512 VNNI (with
 //! AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=avx512` caps it below VNNI
 //! (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and `=portable` as above.
 
+pub mod amx;
 pub mod avx2;
 pub mod avx512;
 pub mod matmul;
@@ -27,10 +29,12 @@ pub enum Simd {
     Avx2,
     /// AVX2 + FMA + F16C + AVX-512F (prefill micro-kernel on 16-float vectors).
     Avx512,
+    /// All of the above + AMX-TILE/AMX-BF16 granted by the OS (bf16 matmul tiles).
+    Amx,
 }
 
 impl Simd {
-    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable|avx2`.
+    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable|avx2|avx512`.
     pub fn detect() -> Simd {
         static S: OnceLock<Simd> = OnceLock::new();
         *S.get_or_init(|| {
@@ -45,6 +49,9 @@ impl Simd {
                     && is_x86_feature_detected!("f16c")
                 {
                     if cap != "avx2" && is_x86_feature_detected!("avx512f") {
+                        if cap != "avx512" && amx::available() {
+                            return Simd::Amx;
+                        }
                         return Simd::Avx512;
                     }
                     return Simd::Avx2;
@@ -59,6 +66,7 @@ impl Simd {
             Simd::Portable => "portable",
             Simd::Avx2 => "avx2+fma",
             Simd::Avx512 => "avx512f",
+            Simd::Amx => "avx512f+amx-bf16",
         }
     }
 
@@ -68,7 +76,7 @@ impl Simd {
         match self {
             Simd::Portable => QSimd::Portable,
             Simd::Avx2 => QSimd::Avx2,
-            Simd::Avx512 => QSimd::detect().max(QSimd::Avx2),
+            Simd::Avx512 | Simd::Amx => QSimd::detect().max(QSimd::Avx2),
         }
     }
 }
@@ -91,7 +99,7 @@ impl QSimd {
         *S.get_or_init(|| match Simd::detect() {
             Simd::Portable => QSimd::Portable,
             Simd::Avx2 => QSimd::Avx2,
-            Simd::Avx512 => {
+            Simd::Avx512 | Simd::Amx => {
                 #[cfg(target_arch = "x86_64")]
                 {
                     let cap = std::env::var("SPARK_CPU_SIMD").unwrap_or_default();
@@ -184,7 +192,7 @@ pub fn dot(simd: Simd, x: &[f32], w: Row<'_>) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Simd::Avx2`/`Avx512` are only produced by `detect` after checking avx2, fma
         // and f16c.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::dot(x, w) },
+        Simd::Avx2 | Simd::Avx512 | Simd::Amx => unsafe { avx2::dot(x, w) },
         Simd::Portable => portable::dot(x, w),
     }
 }
@@ -196,7 +204,7 @@ pub fn axpy(simd: Simd, a: f32, w: Row<'_>, out: &mut [f32]) {
     match simd {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`.
-        Simd::Avx2 | Simd::Avx512 => unsafe { avx2::axpy(a, w, out) },
+        Simd::Avx2 | Simd::Avx512 | Simd::Amx => unsafe { avx2::axpy(a, w, out) },
         Simd::Portable => portable::axpy(a, w, out),
     }
 }

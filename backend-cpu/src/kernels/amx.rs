@@ -1,0 +1,322 @@
+//! AMX BF16 tiles (x86-64 Sapphire Rapids and later): `out = x W^T` for bf16 weights and
+//! activations that are already bf16 values, accumulating in f32.
+//!
+//! Precision: products of bf16 pairs summed into f32 tiles by `tdpbf16ps` (round to nearest
+//! even, bf16 denormals read as zero). The driver only takes this path when the activations are
+//! rounded to bf16 by the graph (the reference's bf16 semantics), so converting them to bf16 is
+//! exact; the result differs from the f32-FMA kernels only in the order of f32 additions.
+//!
+//! Layout: the weights are the tiles' A operand, copied per 32-row block into contiguous tiles (16 rows x 32 bf16,
+//! row stride `k`); the activations are the B operand, packed once per call into the VNNI
+//! layout (per 16-token block and 32-wide k step: 16 rows of 16 token pairs `x[t][2r], x[t][2r+1]`).
+//! The micro-kernel keeps a 2 x 2 block of C tiles (32 weight rows x 32 tokens) in tmm0-3,
+//! weights in tmm4-5 and activations in tmm6-7, and writes C transposed into `out`.
+//!
+//! Linux gives a process the AMX tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
+//! [`available`] asks once and reports false when the processor or the kernel says no.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::asm;
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+use spark_core::DType;
+
+use super::SharedOut;
+
+/// Weight rows per micro-kernel block (two A tiles).
+const MB: usize = 32;
+/// k elements per tile step.
+const KS: usize = 32;
+/// How many k steps ahead in-place weight rows are prefetched.
+const PREFETCH_STEPS: usize = 4;
+/// k steps per cache block (512 k).
+const KC_STEPS: usize = 16;
+/// u16 elements of one packed B tile (16 rows x 64 bytes).
+const TILE_U16: usize = 512;
+
+/// Whether the processor has AMX-TILE + AMX-BF16 + AVX-512F and the kernel granted this process
+/// the tile state (asked once, cached).
+pub fn available() -> bool {
+    static A: OnceLock<bool> = OnceLock::new();
+    *A.get_or_init(|| {
+        if !is_x86_feature_detected!("avx512f") {
+            return false;
+        }
+        // cpuid leaf 7 exists on every x86-64 processor with AVX-512F.
+        let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+        let amx_bf16 = leaf7.edx & (1 << 22) != 0;
+        let amx_tile = leaf7.edx & (1 << 24) != 0;
+        amx_bf16 && amx_tile && request_tile_permission()
+    })
+}
+
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: true when granted.
+#[cfg(target_os = "linux")]
+fn request_tile_permission() -> bool {
+    const SYS_ARCH_PRCTL: usize = 158;
+    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+    const XFEATURE_XTILEDATA: usize = 18;
+    let ret: isize;
+    // SAFETY: a plain Linux x86-64 system call with two integer arguments; it reads and writes
+    // no user memory. The syscall instruction clobbers rcx and r11.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+/// Other systems: not attempted (their AMX enablement differs), so never available.
+#[cfg(not(target_os = "linux"))]
+fn request_tile_permission() -> bool {
+    false
+}
+
+/// The 64-byte tile configuration of palette 1.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// Eight tiles of 16 rows x 64 bytes.
+const CONFIG: TileConfig = TileConfig {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+/// f32 to bf16 bits, round to nearest even (inputs here are already bf16 values, so exact).
+#[inline]
+fn bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    if v.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// Pack `x` `[n, k]` into B tiles: for token block `tb` and k step `s`, tile
+/// `(tb * ksteps + s)` holds `u32` pairs `[r][t] = (x[16 tb + t][32 s + 2r], ..+1)`; tokens past
+/// `n` are zero.
+fn pack_activations(x: &[f32], n: usize, k: usize) -> Vec<u16> {
+    let ksteps = k / KS;
+    let tblocks = n.div_ceil(16);
+    let mut xp = vec![0u16; tblocks * ksteps * TILE_U16];
+    xp.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(|(tb, dst)| {
+        for t in 0..16.min(n - tb * 16) {
+            let row = &x[(tb * 16 + t) * k..(tb * 16 + t + 1) * k];
+            for (s, tile) in dst.chunks_exact_mut(TILE_U16).enumerate() {
+                let seg = &row[s * KS..(s + 1) * KS];
+                for r in 0..16 {
+                    tile[r * 32 + t * 2] = bf16_bits(seg[2 * r]);
+                    tile[r * 32 + t * 2 + 1] = bf16_bits(seg[2 * r + 1]);
+                }
+            }
+        }
+    });
+    xp
+}
+
+/// Copy weight rows `rb..rb+valid` (zero rows up to 32), k steps `s0..s0+ns`, into A tiles:
+/// tile `(a * ns + s)` holds rows `rb + 16a ..+16`, columns `32 (s0 + s)..+32`, 64 bytes per row.
+/// Contiguous tiles stay in L1 (rows 4 KiB apart in place would all map to the same L1 sets).
+fn pack_weights(w: &[u16], k: usize, rb: usize, valid: usize, s0: usize, ns: usize, apack: &mut [u16]) {
+    for r in 0..MB {
+        let (a, i) = (r / 16, r % 16);
+        if r < valid {
+            let src = &w[(rb + r) * k + s0 * KS..][..ns * KS];
+            for (s, seg) in src.chunks_exact(KS).enumerate() {
+                apack[(a * ns + s) * TILE_U16 + i * 32..][..32].copy_from_slice(seg);
+            }
+        } else {
+            for s in 0..ns {
+                apack[(a * ns + s) * TILE_U16 + i * 32..][..32].fill(0);
+            }
+        }
+    }
+}
+
+/// One 32-row x 32-token block over `ksteps` k steps: `c[2a + b]` (rows `16a..` x tokens
+/// `16b..`, each tile 16 x 16 f32) is set to the product when `first`, else accumulated into.
+///
+/// The A tiles of step `s` are 16 rows at `w0 + s * a_step` / `w1 + s * a_step` with row stride
+/// `a_stride` bytes (packed tiles: 512 and 64; weights in place: 32 and 2k).
+///
+/// # Safety
+/// AMX is [`available`] and this thread has loaded [`CONFIG`]; `w0`/`w1` address `ksteps` A
+/// tiles as above and `b0`/`b1` each point at `ksteps` consecutive packed tiles (see
+/// [`pack_weights`], [`pack_activations`]); `c` holds at least 4 tiles.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block(
+    w0: *const u16,
+    w1: *const u16,
+    a_step: usize,
+    a_stride: usize,
+    b0: *const u16,
+    b1: *const u16,
+    ksteps: usize,
+    c: &mut [[f32; 256]],
+    first: bool,
+) {
+    debug_assert!(c.len() >= 4);
+    if first {
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+    } else {
+        asm!(
+            "tileloadd tmm0, [{c0} + {s}*1]",
+            "tileloadd tmm1, [{c1} + {s}*1]",
+            "tileloadd tmm2, [{c2} + {s}*1]",
+            "tileloadd tmm3, [{c3} + {s}*1]",
+            c0 = in(reg) c[0].as_ptr(),
+            c1 = in(reg) c[1].as_ptr(),
+            c2 = in(reg) c[2].as_ptr(),
+            c3 = in(reg) c[3].as_ptr(),
+            s = in(reg) 64usize,
+            options(nostack, readonly),
+        );
+    }
+    let in_place = a_stride != 64;
+    for s in 0..ksteps {
+        if in_place && s + PREFETCH_STEPS < ksteps {
+            // Rows 2k bytes apart are 32 separate streams: fetch each one's segment a few steps
+            // ahead so the tile loads find it in cache.
+            let (p0, p1) = (w0.add((s + PREFETCH_STEPS) * a_step), w1.add((s + PREFETCH_STEPS) * a_step));
+            for r in 0..16 {
+                _mm_prefetch::<_MM_HINT_T0>(p0.cast::<u8>().add(r * a_stride).cast());
+                _mm_prefetch::<_MM_HINT_T0>(p1.cast::<u8>().add(r * a_stride).cast());
+            }
+        }
+        asm!(
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tileloadd tmm6, [{b0} + {sb}*1]",
+            "tileloadd tmm7, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) w0.add(s * a_step),
+            a1 = in(reg) w1.add(s * a_step),
+            sa = in(reg) a_stride,
+            b0 = in(reg) b0.add(s * TILE_U16),
+            b1 = in(reg) b1.add(s * TILE_U16),
+            sb = in(reg) 64usize,
+            options(nostack, readonly),
+        );
+    }
+    asm!(
+        "tilestored [{c0} + {s}*1], tmm0",
+        "tilestored [{c1} + {s}*1], tmm1",
+        "tilestored [{c2} + {s}*1], tmm2",
+        "tilestored [{c3} + {s}*1], tmm3",
+        c0 = in(reg) c[0].as_mut_ptr(),
+        c1 = in(reg) c[1].as_mut_ptr(),
+        c2 = in(reg) c[2].as_mut_ptr(),
+        c3 = in(reg) c[3].as_mut_ptr(),
+        s = in(reg) 64usize,
+        options(nostack),
+    );
+}
+
+/// Whether [`matmul`] takes these shapes: `k` a multiple of 32.
+pub fn supports(k: usize) -> bool {
+    k > 0 && k % KS == 0
+}
+
+/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for bf16 `w` `[m, k]`, on AMX tiles.
+/// `x` must hold bf16 values (see the module doc); rows are split across the rayon pool.
+///
+/// # Safety
+/// [`available`] returned true; [`supports`]`(k)`.
+pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &mut [f32], round: DType) {
+    assert_eq!(x.len(), n * k, "amx matmul: x has the wrong size");
+    assert_eq!(w.len(), m * k, "amx matmul: w has the wrong size");
+    assert_eq!(out.len(), n * m, "amx matmul: out has the wrong size");
+    let ksteps = k / KS;
+    let xp = pack_activations(x, n, k);
+    let tblocks = n.div_ceil(16);
+    let threads = rayon::current_num_threads().max(1);
+    // Enough chunks to balance the threads, each a multiple of 32 rows.
+    let chunk = (m.div_ceil(threads * 4)).div_ceil(MB).max(1) * MB;
+    let outp = SharedOut(out.as_mut_ptr());
+    let tpairs = tblocks.div_ceil(2);
+    (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+        let r0 = ci * chunk;
+        let r1 = (r0 + chunk).min(m);
+        let rblocks = (r1 - r0).div_ceil(MB);
+        // Cache blocking: k in slices of KC_STEPS steps (outer), so the activations' slice
+        // (n x 512 bf16) stays in L2 across all row blocks and each row block's weight slice
+        // (32 x 512 bf16) in L1 across all token blocks; C accumulates in `cbuf` between slices.
+        let mut apack = vec![0u16; 2 * KC_STEPS * TILE_U16];
+        let mut cbuf = vec![[0.0f32; 256]; rblocks * tpairs * 4];
+        // SAFETY: AMX is available (caller); the config is a valid palette-1 configuration.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
+        for s0 in (0..ksteps).step_by(KC_STEPS) {
+            let ns = KC_STEPS.min(ksteps - s0);
+            for rbi in 0..rblocks {
+                let rb = r0 + rbi * MB;
+                let valid = MB.min(r1 - rb);
+                // Few token blocks use each weight slice at most twice: read full row blocks in place.
+                let (w0, w1, a_step, a_stride) = if tpairs <= 2 && valid == MB {
+                    (w[rb * k + s0 * KS..].as_ptr(), w[(rb + 16) * k + s0 * KS..].as_ptr(), KS, 2 * k)
+                } else {
+                    pack_weights(w, k, rb, valid, s0, ns, &mut apack);
+                    (apack.as_ptr(), apack[ns * TILE_U16..].as_ptr(), TILE_U16, 64)
+                };
+                for tp in 0..tpairs {
+                    let tb = 2 * tp;
+                    let b0 = xp[(tb * ksteps + s0) * TILE_U16..].as_ptr();
+                    let b1 = if tb + 1 < tblocks { xp[((tb + 1) * ksteps + s0) * TILE_U16..].as_ptr() } else { b0 };
+                    let c = &mut cbuf[(rbi * tpairs + tp) * 4..][..4];
+                    // SAFETY: the tile config is loaded on this thread; w0/w1 address ns A tiles
+                    // (packed, or 16 full rows of k in place from column 32 s0), b0/b1 ns packed
+                    // tiles from step s0 of their token block; c holds four 16 x 16 f32 tiles.
+                    unsafe { block(w0, w1, a_step, a_stride, b0, b1, ns, c, s0 == 0) };
+                }
+            }
+        }
+        // C is [row][token]; out is [token][row]: write each token's run of rows.
+        for rbi in 0..rblocks {
+            let rb = r0 + rbi * MB;
+            let valid = MB.min(r1 - rb);
+            for tp in 0..tpairs {
+                let c = &cbuf[(rbi * tpairs + tp) * 4..][..4];
+                for b in 0..2 {
+                    for j in 0..16 {
+                        let t = (2 * tp + b) * 16 + j;
+                        if t >= n {
+                            break;
+                        }
+                        for a in 0..2 {
+                            let tile = &c[2 * a + b];
+                            let base = t * m + rb + 16 * a;
+                            for i in 0..16.min(valid.saturating_sub(16 * a)) {
+                                // SAFETY: t < n, rb + 16a + i < r1 <= m; rows [r0, r1) belong to
+                                // this task.
+                                unsafe { outp.put(base + i, round.round(tile[i * 16 + j])) };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: releases this thread's tile state (AMX available).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    });
+}
