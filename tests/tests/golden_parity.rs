@@ -50,10 +50,26 @@ fn chunked_prefill_batching_and_forks_match_one_shot() {
     check_chunked_prefill_batching_and_forks(&mut m, &m8_golden(), F32_TOL, &forks);
 }
 
+/// The SIMD levels the bf16 paths are checked at (AVX-512 and AMX change the bf16 matmuls).
+fn bf16_levels() -> Vec<Simd> {
+    [Simd::Avx2, Simd::Avx512, Simd::Amx]
+        .into_iter()
+        .filter(|&s| {
+            let ok = s <= Simd::detect();
+            if !ok {
+                eprintln!("skipped: this CPU has no {s:?}");
+            }
+            ok
+        })
+        .collect()
+}
+
 #[test]
 fn bf16_checkpoint_matches_bf16_reference() {
-    let mut m = model("testdata/golden/m8/ckpt_bf16", Simd::detect(), 2);
-    check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "bf16 m8");
+    for simd in bf16_levels() {
+        let mut m = model("testdata/golden/m8/ckpt_bf16", simd, 2);
+        check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, &format!("bf16 m8 {simd:?}"));
+    }
 }
 
 #[test]
@@ -72,17 +88,19 @@ fn f32_upcast_of_bf16_checkpoint_is_close_to_f32_reference() {
 #[test]
 fn demo_checkpoint_matches_its_bf16_reference() {
     let gold = load_golden(&repo().join("testdata/spark-demo-tiny/golden.safetensors"));
-    let mut m = model("models/spark-demo-tiny", Simd::detect(), 2);
-    let r = bf16_report(&mut m, &gold, "demo");
-    eprintln!(
-        "demo bf16: max |ours - reference bf16| = {:e} = {} bf16 ulps of the row's largest logit; mean {:e}",
-        r.max, r.max_ulps, r.mean
-    );
-    // Trained weights give larger logits (|logit| up to ~20, where one bf16 ulp is 0.125), so
-    // the tolerance is stated in bf16 ulps of the largest logit of the compared block: at most 3
-    // (observed 1-2), and a mean absolute difference below 1.2e-2 (observed 5e-3 to 6.5e-3;
-    // the reference's own bf16-vs-f32 mean gap on these prompts is 7.9e-3, and our bf16 path is
-    // closer to the bf16 reference than to the f32 one). Greedy ids agree 32/32 on all prompts.
-    assert!(r.max_ulps <= 3.0, "demo bf16: {} ulps", r.max_ulps);
-    assert!(r.mean < 1.2e-2, "demo bf16 mean diff {:e}", r.mean);
+    for simd in bf16_levels() {
+        let mut m = model("models/spark-demo-tiny", simd, 2);
+        let r = bf16_report(&mut m, &gold, &format!("demo {simd:?}"));
+        eprintln!(
+            "demo bf16 {simd:?}: max |ours - reference bf16| = {:e} = {} bf16 ulps of the row's largest logit; mean {:e}",
+            r.max, r.max_ulps, r.mean
+        );
+        // Trained weights give larger logits (|logit| up to ~20, where one bf16 ulp is 0.125), so
+        // the tolerance is stated in bf16 ulps of the largest logit of the compared block: at most 3
+        // (observed 1-2), and a mean absolute difference below 1.2e-2 (observed 5e-3 to 6.5e-3;
+        // the reference's own bf16-vs-f32 mean gap on these prompts is 7.9e-3, and our bf16 path is
+        // closer to the bf16 reference than to the f32 one). Greedy ids agree 32/32 on all prompts.
+        assert!(r.max_ulps <= 3.0, "demo bf16 {simd:?}: {} ulps", r.max_ulps);
+        assert!(r.mean < 1.2e-2, "demo bf16 {simd:?} mean diff {:e}", r.mean);
+    }
 }
