@@ -11,9 +11,19 @@
 //!   symmetric per output channel (`group == cols`, no bias); GGUF Q8_0 (group 32) and Q6_K
 //!   (group 16) convert to it losslessly.
 //! - [`QFormat::I4`]: `q` is an unsigned nibble 0..=15 (`zero` = 8), two per byte: element `2j`
-//!   of a row in the low nibble of byte `j`, `2j+1` in the high nibble. `--to int4` writes it
-//!   symmetric with a searched scale per group (32, 64 or 128; no bias); GGUF Q4_0 and Q4_K
+//!   of a row in the low nibble of byte `j`, `2j+1` in the high nibble. GGUF Q4_0 and Q4_K
 //!   (whose per-group minimum becomes `bias`) convert to it losslessly.
+//!
+//! What `--to int4` / `--quant int4` writes ([`QuantSpec::plan`], by tensor name): every matrix
+//! in **asymmetric** int4 groups (32 columns by default; 64 or 128 on request), each with an f32
+//! scale and an f32 bias fitted by least squares to the group (`fit_i4_asym`: `x ≈ d * l + m`,
+//! `l` in 0..=15, stored as `scale = d`, `bias = m + 8 d`), except the token embedding / output
+//! head (`model.embedding.weight`, `lm_head.weight`), which is **int8 per output channel**.
+//! That is 6 bits per weight for the int4 matrices at group 32 (5 at 64, 4.5 at 128) and 8 for
+//! the head; the head gate `g_proj` stays as stored. Checkpoints written before this (symmetric
+//! int4 groups without bias, an int4 head) still load: the reader takes each tensor as stored.
+//! [`quantize_planned`] / [`quantize_tensor_planned`] quantize to any [`QPlan`] (symmetric int4
+//! included: values -8..=7 times a searched scale, no bias).
 //!
 //! Backends repack these into their kernels' layouts at upload; this module is the reference
 //! every kernel is tested against.
@@ -22,7 +32,8 @@
 //! (I8 `[rows, cols]`, or U8 `[rows, cols/2]` for int4), `NAME_scale` holds the f32 scales
 //! `[rows, cols/group]` (so the group size is `cols / scale_cols`) and `NAME_bias`, if present,
 //! the f32 biases of the same shape; `config.json` carries
-//! `"quantization_config": {"quant_method": "spark", "format": "int8"|"int4", "group_size": G}`.
+//! `"quantization_config": {"quant_method": "spark", "format": "int8"|"int4", "group_size": G, ...}`
+//! (for int4 also `"symmetric": false` and `"modules_in_int8"`, the tensors kept in int8).
 
 use std::sync::Arc;
 
@@ -79,8 +90,8 @@ impl std::fmt::Display for QFormat {
     }
 }
 
-/// What to quantize to: a format and a group size (`None`: per output channel for int8, 64 for
-/// int4).
+/// What to quantize to: a format and a group size (`None`: per output channel for int8, 32 for
+/// int4). [`QuantSpec::plan`] turns it into each matrix's [`QPlan`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QuantSpec {
     pub format: QFormat,
@@ -92,7 +103,7 @@ impl QuantSpec {
     pub fn group_for(&self, name: &str, cols: usize) -> Result<usize> {
         let g = match (self.format, self.group) {
             (QFormat::I8, None) => cols,
-            (QFormat::I4, None) => 64,
+            (QFormat::I4, None) => 32,
             (_, Some(g)) => g,
         };
         if g == 0 || !g.is_multiple_of(2) || !cols.is_multiple_of(g) {
@@ -226,58 +237,118 @@ impl QTensor {
     }
 }
 
-/// Quantize the `[rows, cols]` f32 matrix `values` (row-major).
-///
-/// int8: symmetric, `scale = max|x| / 127` per group (per row by default). int4: symmetric with
-/// values -8..=7; each group's scale is searched among `max|x| / d` for d in 6.0..=8.5 (step
-/// 0.125), then refined once by least squares for the chosen integers, keeping whichever gives
-/// the smallest squared error.
+/// How one matrix is quantized: its format, group size and whether its groups carry a bias.
+/// [`QuantSpec::plan`] chooses it from the matrix's name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QPlan {
+    pub format: QFormat,
+    /// Columns per scale (divides the row length).
+    pub group: usize,
+    /// int4 only: asymmetric groups, each with a scale and a bias fitted to its range (`q` 0..=15
+    /// spans the group's minimum to maximum); `false`: symmetric (values -8..=7 times a scale).
+    pub bias: bool,
+}
+
+impl QPlan {
+    /// Bytes of a `[rows, cols]` matrix in this plan (values, f32 scales and biases).
+    pub fn nbytes(&self, rows: usize, cols: usize) -> usize {
+        rows * self.format.row_bytes(cols) + 4 * rows * (cols / self.group) * (1 + usize::from(self.bias))
+    }
+    /// `int8-ch`, `int4-g64`, `int4-g32+bias`, ... (`ch`: one scale per row of `cols`).
+    pub fn label(&self, cols: usize) -> String {
+        let g = if self.group == cols { "ch".to_string() } else { format!("g{}", self.group) };
+        format!("{}-{g}{}", self.format, if self.bias { "+bias" } else { "" })
+    }
+}
+
+/// Whether `name` is the token embedding or the output head (the tied embedding is both).
+pub fn is_embedding_or_head(name: &str) -> bool {
+    name.ends_with("embedding.weight") || name.ends_with("embed_tokens.weight") || name.ends_with("lm_head.weight")
+}
+
+impl QuantSpec {
+    /// The plan for matrix `name` with rows of `cols` values.
+    ///
+    /// int8: symmetric per output channel (or in `group`s), every matrix. int4: asymmetric
+    /// groups (a scale and a bias each; default 32 columns) for every matrix except the token
+    /// embedding / output head, which is int8 per output channel: its error goes straight into
+    /// the logits (llama.cpp's Q4_K_M keeps it in Q6_K for the same reason).
+    pub fn plan(&self, name: &str, cols: usize) -> Result<QPlan> {
+        if self.format == QFormat::I4 && is_embedding_or_head(name) {
+            return QuantSpec { format: QFormat::I8, group: None }.plan(name, cols);
+        }
+        let group = self.group_for(name, cols)?;
+        Ok(QPlan { format: self.format, group, bias: self.format == QFormat::I4 })
+    }
+}
+
+/// Quantize the `[rows, cols]` f32 matrix `values` (row-major) as [`QuantSpec::plan`] says for
+/// `name`.
 pub fn quantize(name: &str, rows: usize, cols: usize, values: &[f32], spec: QuantSpec) -> Result<QTensor> {
+    quantize_planned(name, rows, cols, values, spec.plan(name, cols)?)
+}
+
+/// Quantize the `[rows, cols]` f32 matrix `values` (row-major) in `plan`.
+///
+/// int8: symmetric, `scale = max|x| / 127` per group (per row by default). int4 symmetric
+/// (`plan.bias == false`): values -8..=7; each group's scale is searched among `max|x| / d` for
+/// d in 6.0..=8.5 (step 0.125), then refined once by least squares for the chosen integers.
+/// int4 asymmetric: see [`fit_i4_asym`].
+pub fn quantize_planned(name: &str, rows: usize, cols: usize, values: &[f32], plan: QPlan) -> Result<QTensor> {
     if values.len() != rows * cols {
         return Err(Error::internal(format!("quantize '{name}': {} values for shape [{rows}, {cols}]", values.len())));
     }
-    let group = spec.group_for(name, cols)?;
-    let mut q = vec![0u8; rows * spec.format.row_bytes(cols)];
-    let mut scales = vec![0.0f32; rows * (cols / group)];
-    quantize_rows(name, 0, cols, group, spec.format, values, &mut q, &mut scales)?;
-    finish(name, rows, cols, group, spec.format, q, scales)
+    check_plan(name, cols, plan)?;
+    let ng = cols / plan.group;
+    let mut q = vec![0u8; rows * plan.format.row_bytes(cols)];
+    let mut scales = vec![0.0f32; rows * ng];
+    let mut bias = vec![0.0f32; if plan.bias { rows * ng } else { 0 }];
+    quantize_rows(name, 0, cols, plan, values, &mut q, &mut scales, &mut bias)?;
+    finish(name, rows, cols, plan, q, scales, bias)
 }
 
-fn finish(
-    name: &str,
-    rows: usize,
-    cols: usize,
-    group: usize,
-    format: QFormat,
-    q: Vec<u8>,
-    s: Vec<f32>,
-) -> Result<QTensor> {
+fn check_plan(name: &str, cols: usize, plan: QPlan) -> Result<()> {
+    let g = plan.group;
+    if g == 0 || !g.is_multiple_of(2) || !cols.is_multiple_of(g) {
+        return Err(Error::invalid(format!(
+            "cannot quantize '{name}' to {} with group {g}: the group must be even and divide the row length {cols}",
+            plan.format
+        )));
+    }
+    if plan.bias && plan.format != QFormat::I4 {
+        return Err(Error::invalid(format!("cannot quantize '{name}': only int4 groups carry a bias")));
+    }
+    Ok(())
+}
+
+fn finish(name: &str, rows: usize, cols: usize, plan: QPlan, q: Vec<u8>, s: Vec<f32>, b: Vec<f32>) -> Result<QTensor> {
     let t = QTensor {
         name: name.to_string(),
-        format,
+        format: plan.format,
         rows,
         cols,
-        group,
+        group: plan.group,
         q: TensorBytes::Owned(Arc::new(q)),
         scales: Arc::new(s),
-        bias: None,
+        bias: if plan.bias { Some(Arc::new(b)) } else { None },
     };
     t.validate()?;
     Ok(t)
 }
 
 /// Quantize whole rows `values` (starting at row `row0` of the matrix, for error messages) into
-/// `q` and `scales`, rows in parallel (the int4 scale search is the costly part).
+/// `q`, `scales` and (asymmetric int4) `bias`, rows in parallel (the int4 searches are the
+/// costly part).
 #[allow(clippy::too_many_arguments)]
 fn quantize_rows(
     name: &str,
     row0: usize,
     cols: usize,
-    group: usize,
-    format: QFormat,
+    plan: QPlan,
     values: &[f32],
     q: &mut [u8],
     scales: &mut [f32],
+    bias: &mut [f32],
 ) -> Result<()> {
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
         return Err(Error::model(format!(
@@ -288,41 +359,67 @@ fn quantize_rows(
             values[i]
         )));
     }
+    let (group, format) = (plan.group, plan.format);
     let ng = cols / group;
     let rb = format.row_bytes(cols);
-    q.par_chunks_mut(rb.max(1)).zip(scales.par_chunks_mut(ng.max(1))).enumerate().for_each(|(r, (qrow, srow))| {
-        let row = &values[r * cols..(r + 1) * cols];
-        let mut qs = vec![0i8; group];
-        qrow.fill(0);
-        for (g, s_out) in srow.iter_mut().enumerate() {
-            let x = &row[g * group..(g + 1) * group];
-            *s_out = match format {
-                QFormat::I8 => quantize_group_i8(x, &mut qs),
-                QFormat::I4 => quantize_group_i4(x, &mut qs),
-            };
-            for (j, &v) in qs.iter().enumerate() {
-                let c = g * group + j;
-                match format {
-                    QFormat::I8 => qrow[c] = v as u8,
-                    QFormat::I4 => qrow[c / 2] |= ((v as i32 + 8) as u8) << (4 * (c % 2)),
+    // Rows without a bias get an empty bias chunk each.
+    let bias_chunks: Vec<&mut [f32]> = if plan.bias {
+        bias.chunks_mut(ng.max(1)).collect()
+    } else {
+        (0..scales.len() / ng.max(1)).map(|_| &mut [][..]).collect()
+    };
+    q.par_chunks_mut(rb.max(1)).zip(scales.par_chunks_mut(ng.max(1))).zip(bias_chunks).enumerate().for_each(
+        |(r, ((qrow, srow), brow))| {
+            let row = &values[r * cols..(r + 1) * cols];
+            let mut qs = vec![0i8; group];
+            qrow.fill(0);
+            for (g, s_out) in srow.iter_mut().enumerate() {
+                let x = &row[g * group..(g + 1) * group];
+                *s_out = match format {
+                    QFormat::I8 => quantize_group_i8(x, &mut qs),
+                    QFormat::I4 if plan.bias => {
+                        let (s, b) = quantize_group_i4_asym(x, &mut qs);
+                        brow[g] = b;
+                        s
+                    }
+                    QFormat::I4 => quantize_group_i4(x, &mut qs),
+                };
+                for (j, &v) in qs.iter().enumerate() {
+                    let c = g * group + j;
+                    match format {
+                        QFormat::I8 => qrow[c] = v as u8,
+                        QFormat::I4 => qrow[c / 2] |= ((v as i32 + 8) as u8) << (4 * (c % 2)),
+                    }
                 }
             }
-        }
-    });
+        },
+    );
     Ok(())
 }
 
-/// Quantize a float checkpoint tensor (`[rows, cols]`), decoding it to f32 a block of rows at a
-/// time so that no full f32 copy of a large matrix (the 131072-row embedding) is ever made.
+/// Quantize a float checkpoint tensor (`[rows, cols]`) as [`QuantSpec::plan`] says for its name.
 pub fn quantize_tensor(t: &Tensor, spec: QuantSpec) -> Result<QTensor> {
+    let cols = match t.shape.as_slice() {
+        [_, c] => *c,
+        s => return Err(Error::invalid(format!("cannot quantize '{}' of shape {s:?}: not a matrix", t.name))),
+    };
+    quantize_tensor_planned(t, spec.plan(&t.name, cols)?)
+}
+
+/// Quantize a float checkpoint tensor (`[rows, cols]`) in `plan`, decoding it to f32 a block of
+/// rows at a time so that no full f32 copy of a large matrix (the 131072-row embedding) is ever
+/// made.
+pub fn quantize_tensor_planned(t: &Tensor, plan: QPlan) -> Result<QTensor> {
     let (rows, cols) = match t.shape.as_slice() {
         [r, c] => (*r, *c),
         s => return Err(Error::invalid(format!("cannot quantize '{}' of shape {s:?}: not a matrix", t.name))),
     };
-    let group = spec.group_for(&t.name, cols)?;
-    let (rb, ng) = (spec.format.row_bytes(cols), cols / group);
+    check_plan(&t.name, cols, plan)?;
+    let (rb, ng) = (plan.format.row_bytes(cols), cols / plan.group);
+    let nb = if plan.bias { ng } else { 0 };
     let mut q = vec![0u8; rows * rb];
     let mut scales = vec![0.0f32; rows * ng];
+    let mut bias = vec![0.0f32; rows * nb];
     let block = (1 << 20) / cols.max(1) + 1;
     let bytes = t.bytes();
     let es = t.dtype.size();
@@ -335,18 +432,18 @@ pub fn quantize_tensor(t: &Tensor, spec: QuantSpec) -> Result<QTensor> {
             &t.name,
             r0,
             cols,
-            group,
-            spec.format,
+            plan,
             &vals,
             &mut q[r0 * rb..r1 * rb],
             &mut scales[r0 * ng..r1 * ng],
+            &mut bias[r0 * nb..r1 * nb],
         )?;
     }
-    finish(&t.name, rows, cols, group, spec.format, q, scales)
+    finish(&t.name, rows, cols, plan, q, scales, bias)
 }
 
 /// Round to nearest (ties to even) for |x| < 2^22, in plain f32 arithmetic: `f32::round` is a
-/// library call, and the int4 scale search rounds every value ~20 times.
+/// library call, and the int4 searches round every value ~20 times.
 #[inline(always)]
 fn rint(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
@@ -426,6 +523,119 @@ fn quantize_group_i4(x: &[f32], q: &mut [i8]) -> f32 {
     s
 }
 
+/// The fixed sums of a group for the least-squares fit of `x ≈ d * l + m`: `n`, `sum x`,
+/// `sum x^2`.
+#[derive(Clone, Copy)]
+struct Fit {
+    n: f32,
+    sx: f32,
+    sxx: f32,
+}
+
+impl Fit {
+    /// `sum (d l + m - x)^2` for integers with sums `sl`, `sll` and `slx` (`sum l x`).
+    #[inline]
+    fn err(&self, d: f32, m: f32, (sl, sll, slx): (f32, f32, f32)) -> f32 {
+        let e = d * d * sll + 2.0 * d * m * sl + m * m * self.n - 2.0 * d * slx - 2.0 * m * self.sx + self.sxx;
+        e.max(0.0)
+    }
+    /// The least-squares `(d, m, error)` for integers with sums `s`; `None` when the integers
+    /// are all equal (nothing to fit a step to) or the step comes out non-positive.
+    #[inline]
+    fn solve(&self, s: (f32, f32, f32)) -> Option<(f32, f32, f32)> {
+        let (sl, sll, slx) = s;
+        let det = self.n * sll - sl * sl;
+        if det <= 0.0 {
+            return None;
+        }
+        let d = (self.n * slx - sl * self.sx) / det;
+        let m = (sll * self.sx - sl * slx) / det;
+        if d <= 0.0 || !d.is_finite() || !m.is_finite() {
+            return None;
+        }
+        Some((d, m, self.err(d, m, s)))
+    }
+}
+
+/// `(sum l, sum l^2, sum l x)` of the integers `l = clamp(rint((x - m) * inv), 0, 15)`, in
+/// eight partial sums so the loop vectorises (the search calls this ~15 times per group).
+#[inline]
+fn sums_i4(x: &[f32], m: f32, inv: f32) -> (f32, f32, f32) {
+    let (mut a, mut b, mut c) = ([0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
+    let mut it = x.chunks_exact(8);
+    for xs in &mut it {
+        let xs: &[f32; 8] = xs.try_into().unwrap();
+        for k in 0..8 {
+            let l = rint((xs[k] - m) * inv).clamp(0.0, 15.0);
+            a[k] += l;
+            b[k] += l * l;
+            c[k] += l * xs[k];
+        }
+    }
+    let (mut sl, mut sll, mut slx) = (0.0, 0.0, 0.0);
+    for &v in it.remainder() {
+        let l = rint((v - m) * inv).clamp(0.0, 15.0);
+        sl += l;
+        sll += l * l;
+        slx += l * v;
+    }
+    (sl + a.iter().sum::<f32>(), sll + b.iter().sum::<f32>(), slx + c.iter().sum::<f32>())
+}
+
+/// Fit one asymmetric int4 group: `x ≈ d * l + m` with integers `l` in 0..=15, minimising the
+/// squared error. Candidates: the plain min-max grid (`d = (max - min) / 15`, `m = min`), then
+/// 11 inverse steps `(14 + 0.2 k) / (max - min)` from the minimum (k = 0..=10), each followed
+/// by the least-squares `(d, m)` for the integers it chose (a 2x2 normal system; the error
+/// follows from the same sums); the best is then refined by rounding to its own `(d, m)` and
+/// fitting again while that lowers the error. Returns `(d, m)`; `d` is 0 for a constant group.
+fn fit_i4_asym(x: &[f32]) -> (f32, f32) {
+    let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+    let mut f = Fit { n: x.len() as f32, sx: 0.0, sxx: 0.0 };
+    for &v in x {
+        lo = lo.min(v);
+        hi = hi.max(v);
+        f.sx += v;
+        f.sxx += v * v;
+    }
+    let d0 = (hi - lo) / 15.0;
+    // A constant group (or a range too narrow / wide for an f32 step): one value, exactly.
+    if hi <= lo || !(1.0 / d0).is_finite() || !d0.is_finite() {
+        return (0.0, if hi <= lo { lo } else { 0.5 * lo + 0.5 * hi });
+    }
+    let mut best = (f.err(d0, lo, sums_i4(x, lo, 1.0 / d0)), d0, lo);
+    for k in 0..=10 {
+        let inv = (14.0 + 0.2 * k as f32) / (hi - lo);
+        if let Some((d, m, e)) = f.solve(sums_i4(x, lo, inv)) {
+            if e < best.0 {
+                best = (e, d, m);
+            }
+        }
+    }
+    for _ in 0..3 {
+        match f.solve(sums_i4(x, best.2, 1.0 / best.1)) {
+            Some((d, m, e)) if e < best.0 * (1.0 - 1e-6) => best = (e, d, m),
+            _ => break,
+        }
+    }
+    (best.1, best.2)
+}
+
+/// Asymmetric int4 for one group: fills `q` with `l - 8` (the stored nibble minus the zero
+/// point) and returns `(scale, bias)` of the stored form `scale * q + bias = d * l + m`, i.e.
+/// `scale = d`, `bias = m + 8 d`.
+fn quantize_group_i4_asym(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    let (d, m) = fit_i4_asym(x);
+    if d == 0.0 {
+        q.fill(0);
+        return (0.0, m);
+    }
+    let inv = 1.0 / d;
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (rint((v - m) * inv).clamp(0.0, 15.0) - 8.0) as i8;
+    }
+    (d, m + 8.0 * d)
+}
+
 /// Signal-to-noise ratio in dB of `test` against `reference`: `10 log10(sum ref^2 / sum (ref -
 /// test)^2)` (infinite when equal).
 pub fn snr_db(reference: &[f32], test: &[f32]) -> f64 {
@@ -470,21 +680,134 @@ mod tests {
         let (r, c) = (3, 128);
         let x = ramp(r, c);
         for g in [32, 64, 128] {
-            let q = quantize("w", r, c, &x, QuantSpec { format: QFormat::I4, group: Some(g) }).unwrap();
+            let spec = QuantSpec { format: QFormat::I4, group: Some(g) };
+            let plan = spec.plan("w", c).unwrap();
+            assert_eq!(plan, QPlan { format: QFormat::I4, group: g, bias: true });
+            let q = quantize("w", r, c, &x, spec).unwrap();
+            assert_eq!((q.format, q.group), (QFormat::I4, g));
             assert_eq!(q.q.as_slice().len(), r * c / 2);
             assert_eq!(q.scales.len(), r * c / g);
+            let b = q.bias.as_ref().expect("asymmetric int4 carries a bias");
+            assert_eq!(b.len(), r * c / g);
+            assert_eq!(q.nbytes(), plan.nbytes(r, c));
+            assert_eq!(q.bits_per_weight(), 4.0 + 64.0 / g as f64);
             let y = q.dequantize();
-            // Each value is scale * (an integer in -8..=7).
+            // Each value is scale * (an integer in -8..=7) + bias.
             for row in 0..r {
                 for col in 0..c {
                     let v = q.qval(row, col);
                     assert!((-8..=7).contains(&v));
-                    let s = q.scales[row * (c / g) + col / g];
-                    assert_eq!(y[row * c + col], s * v as f32);
+                    let k = row * (c / g) + col / g;
+                    assert_eq!(y[row * c + col], q.scales[k] * v as f32 + b[k]);
                 }
             }
             let snr = snr_db(&x, &y);
-            assert!(snr > 15.0, "group {g}: snr {snr}");
+            assert!(snr > 20.0, "group {g}: snr {snr}");
+            // Symmetric groups are still available through a plan (and carry no bias).
+            let sym = QPlan { bias: false, ..plan };
+            let s = quantize_planned("w", r, c, &x, sym).unwrap();
+            assert!(s.bias.is_none());
+            let ys = s.dequantize();
+            for (i, &v) in ys.iter().enumerate() {
+                assert_eq!(v, s.scales[i / g] * s.qval(i / c, i % c) as f32);
+            }
+            assert!(snr_db(&x, &ys) > 15.0);
+        }
+    }
+
+    /// The default group, the embedding / head rule and the plans' sizes.
+    #[test]
+    fn int4_plan_keeps_the_head_in_int8() {
+        let i4 = QuantSpec { format: QFormat::I4, group: None };
+        assert_eq!(i4.plan("model.layers.0.mlp.down_proj.weight", 768).unwrap().label(768), "int4-g32+bias");
+        for head in ["model.embedding.weight", "lm_head.weight", "model.embed_tokens.weight"] {
+            let p = i4.plan(head, 256).unwrap();
+            assert_eq!(p, QPlan { format: QFormat::I8, group: 256, bias: false }, "{head}");
+            assert_eq!(p.label(256), "int8-ch");
+            assert_eq!(p.nbytes(10, 256), 10 * 256 + 4 * 10);
+        }
+        let g128 = QuantSpec { format: QFormat::I4, group: Some(128) };
+        assert_eq!(g128.plan("lm_head.weight", 256).unwrap().group, 256);
+        assert_eq!(g128.plan("w", 256).unwrap().nbytes(2, 256), 2 * 128 + 4 * 2 * 2 * 2);
+        let i8 = QuantSpec { format: QFormat::I8, group: None };
+        assert_eq!(
+            i8.plan("model.embedding.weight", 64).unwrap(),
+            QPlan { format: QFormat::I8, group: 64, bias: false }
+        );
+        assert!(i8.plan("w", 64).unwrap().label(64) == "int8-ch");
+        // The head of a quantized model comes out int8 per channel.
+        let x = ramp(4, 64);
+        let q = quantize("model.embedding.weight", 4, 64, &x, i4).unwrap();
+        assert_eq!((q.format, q.group, q.bias.is_some()), (QFormat::I8, 64, false));
+        // A bias on int8 is refused.
+        let bad = QPlan { format: QFormat::I8, group: 64, bias: true };
+        assert!(quantize_planned("w", 4, 64, &x, bad).unwrap_err().message.contains("bias"));
+    }
+
+    fn group_sse(x: &[f32], y: &[f32]) -> f64 {
+        x.iter().zip(y).map(|(a, b)| ((a - b) as f64).powi(2)).sum()
+    }
+
+    /// Every group's error is at most that of the plain min-max grid (one of the candidates),
+    /// and no element is off by more than one min-max step.
+    #[test]
+    fn asymmetric_int4_round_trip_error_is_bounded() {
+        let (r, c) = (64, 256);
+        // Pseudo-random values with a different offset and spread per row.
+        let x: Vec<f32> = (0..r * c)
+            .map(|i| {
+                let u = ((i as u64).wrapping_mul(6364136223846793005) >> 40) as f32 / (1u64 << 24) as f32;
+                let row = (i / c) as f32;
+                (u - 0.3) * (0.1 + row / 16.0) + 0.01 * row
+            })
+            .collect();
+        for g in [32, 64, 128] {
+            let q = quantize("w", r, c, &x, QuantSpec { format: QFormat::I4, group: Some(g) }).unwrap();
+            let y = q.dequantize();
+            for (k, (xg, yg)) in x.chunks(g).zip(y.chunks(g)).enumerate() {
+                let (lo, hi) = xg.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+                let step = (hi - lo) / 15.0;
+                let minmax: Vec<f32> = xg.iter().map(|&v| lo + step * ((v - lo) / step).round()).collect();
+                let (e, e0) = (group_sse(xg, yg), group_sse(xg, &minmax));
+                assert!(e <= e0 * (1.0 + 1e-4) + 1e-12, "group {g} #{k}: error {e} > min-max grid's {e0}");
+                for (a, b) in xg.iter().zip(yg) {
+                    assert!((a - b).abs() <= step * 1.001 + 1e-7, "group {g} #{k}: {a} -> {b} (step {step})");
+                }
+            }
+            let snr = snr_db(&x, &y);
+            assert!(snr > 24.0, "group {g}: SNR {snr:.1} dB");
+        }
+    }
+
+    /// On groups whose values are not centred on zero, asymmetric groups are far better than
+    /// symmetric ones at the same group size; on centred ones they are no worse.
+    #[test]
+    fn asymmetric_beats_symmetric_on_skewed_groups() {
+        let (r, c, g) = (16, 128, 32);
+        let centred: Vec<f32> = (0..r * c).map(|i| ((i * 7919 % 1009) as f32 / 504.5 - 1.0) * 0.05).collect();
+        let skewed: Vec<f32> = centred.iter().enumerate().map(|(i, v)| v.abs() + 0.02 * (i % 3) as f32).collect();
+        let run = |x: &[f32], bias: bool| {
+            let q = quantize_planned("w", r, c, x, QPlan { format: QFormat::I4, group: g, bias }).unwrap();
+            snr_db(x, &q.dequantize())
+        };
+        let (a, s) = (run(&skewed, true), run(&skewed, false));
+        assert!(a > s + 4.0, "skewed: asymmetric {a:.1} dB vs symmetric {s:.1} dB");
+        let (a, s) = (run(&centred, true), run(&centred, false));
+        assert!(a > s - 0.5, "centred: asymmetric {a:.1} dB vs symmetric {s:.1} dB");
+    }
+
+    #[test]
+    fn constant_and_tiny_groups_are_exact() {
+        let mut x = vec![0.25f32; 64];
+        x[32..].fill(-3.0);
+        let q = quantize("w", 1, 64, &x, QuantSpec { format: QFormat::I4, group: Some(32) }).unwrap();
+        assert_eq!(q.dequantize(), x);
+        assert_eq!(q.scales.as_slice(), &[0.0, 0.0]);
+        // Two distinct values per group: both hit exactly (up to rounding of d * l + m).
+        let y: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 1.5 } else { -0.5 }).collect();
+        let q = quantize("w", 1, 64, &y, QuantSpec { format: QFormat::I4, group: Some(32) }).unwrap();
+        for (a, b) in y.iter().zip(q.dequantize()) {
+            assert!((a - b).abs() < 1e-6, "{a} -> {b}");
         }
     }
 
@@ -520,6 +843,8 @@ mod tests {
             let b = quantize("m", r, c, &xb, spec).unwrap();
             assert_eq!(a.q.as_slice(), b.q.as_slice());
             assert_eq!(a.scales, b.scales);
+            assert_eq!(a.bias, b.bias);
+            assert_eq!(a.bias.is_some(), spec.format == QFormat::I4);
         }
         let mut y = xb.clone();
         y[(r - 1) * c + 3] = f32::INFINITY;

@@ -218,12 +218,14 @@ fn int8_at_load_is_close_to_f32_golden() {
     assert!(top1 >= 0.9 && greedy >= 0.9, "int8 agreement: top-1 {top1}, greedy {greedy}");
 }
 
-/// int4 group 32 weights x int8 activations. This 128-wide toy model loses most to the 4-bit
-/// weights themselves (measured: SNR about 11 dB, top-1 74%, greedy 97%). Bounds: 9 dB, 60%, and
-/// at most 1.5 dB below the weight-only SNR (the activations add little).
+/// int4 group 32 weights x int8 activations: asymmetric groups (scale and bias), the tied
+/// embedding / head in int8 per channel. This 128-wide toy model loses most to the 4-bit
+/// weights themselves (measured: SNR 14.0 dB, top-1 78%, greedy 96%; the old symmetric int4
+/// with an int4 head gave about 11 dB and 74%). Bounds: 12.5 dB, 72% top-1, 90% greedy, and at
+/// most 1.5 dB below the weight-only SNR (the activations add little).
 #[test]
 fn int4_g32_at_load_is_close_to_f32_golden() {
     let (snr, top1, greedy, base) = check_all(QuantSpec { format: QFormat::I4, group: Some(32) }, "int4 g32");
-    assert!(snr > 9.0 && snr > base - 1.5, "int4 SNR {snr:.1} dB (weights only {base:.1})");
-    assert!(top1 >= 0.6 && greedy >= 0.6, "int4 agreement: top-1 {top1}, greedy {greedy}");
+    assert!(snr > 12.5 && snr > base - 1.5, "int4 SNR {snr:.1} dB (weights only {base:.1})");
+    assert!(top1 >= 0.72 && greedy >= 0.9, "int4 agreement: top-1 {top1}, greedy {greedy}");
 }

@@ -2,7 +2,9 @@
 //!
 //! Every matrix is quantized (the tied embedding / output head included: left in bf16 it would
 //! cost more per decode step than the whole 4-bit saving) except the tiny head gate `g_proj`,
-//! which stays in its stored precision; norms stay as stored. The output directory gets
+//! which stays in its stored precision; norms stay as stored. With `--to int4` the matrices get
+//! asymmetric int4 groups (scale and bias) and the embedding / output head int8 per channel
+//! (`QuantSpec::plan`). The output directory gets
 //! `model.safetensors` in the format of `spark_core::quant`, a `config.json` with
 //! `quantization_config`, and the source's tokenizer, template and other side files.
 
@@ -21,11 +23,11 @@ pub struct QuantizeArgs {
     /// Float checkpoint directory (default: the demo checkpoint).
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
-    /// int8 (symmetric, per output channel unless --group) or int4 (symmetric, grouped, searched
-    /// scale per group).
+    /// int8 (symmetric, per output channel unless --group) or int4 (asymmetric groups with a
+    /// scale and a bias each; the embedding / output head in int8 per channel).
     #[arg(long)]
     pub to: String,
-    /// Columns per scale: 32, 64 or 128 for int4 (default 64); int8 default is the whole row.
+    /// Columns per scale: 32, 64 or 128 for int4 (default 32); int8 default is the whole row.
     #[arg(long)]
     pub group: Option<usize>,
     /// Output directory (created; must not already hold a checkpoint).
@@ -63,13 +65,18 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     let before = w.nbytes();
     let mut out = vec![];
     let mut group = None;
+    let mut in_int8 = vec![];
     for (name, r) in w.named() {
         let t = match r {
             NamedRef::T(t) => Weight::Float(t.clone()),
             NamedRef::W(Weight::Float(t)) if name.ends_with("g_proj.weight") => Weight::Float(t.clone()),
             NamedRef::W(Weight::Float(t)) => {
                 let q = quantize_tensor(t, spec)?;
-                group.get_or_insert(q.group);
+                if q.format == format {
+                    group.get_or_insert(q.group);
+                } else {
+                    in_int8.push(name.clone());
+                }
                 Weight::Quant(q)
             }
             NamedRef::W(Weight::Quant(_)) => unreachable!("checked above"),
@@ -88,13 +95,17 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     let group_size = match (format, a.group) {
         (_, Some(g)) => serde_json::json!(g),
         (QFormat::I8, None) => serde_json::json!("per_channel"),
-        (QFormat::I4, None) => serde_json::json!(group.unwrap_or(64)),
+        (QFormat::I4, None) => serde_json::json!(group.unwrap_or(32)),
     };
-    obj.insert(
-        "quantization_config".into(),
-        serde_json::json!({"quant_method": "spark", "format": format.name(), "group_size": group_size,
-            "symmetric": true, "modules_not_converted": ["g_proj"], "activations": "int8 per 32-block at run time (CPU)"}),
-    );
+    let mut qc = serde_json::json!({"quant_method": "spark", "format": format.name(), "group_size": group_size,
+        "symmetric": format == QFormat::I8, "modules_not_converted": ["g_proj"],
+        "activations": "int8 per 32-block at run time (CPU)"});
+    if format == QFormat::I4 {
+        // Asymmetric int4 groups (f32 scale and bias each); these tensors are int8 per channel.
+        qc["bias"] = serde_json::json!(true);
+        qc["modules_in_int8"] = serde_json::json!(in_int8);
+    }
+    obj.insert("quantization_config".into(), qc);
     std::fs::write(a.out.join("config.json"), serde_json::to_string_pretty(&obj)? + "\n")?;
     // Side files: tokenizer, chat template, generation config, README...
     for e in std::fs::read_dir(&src)? {
