@@ -214,6 +214,7 @@ struct Scratch {
 }
 
 #[allow(clippy::too_many_arguments)]
+#[inline(never)]
 fn attend_block(
     simd: Simd,
     qkv: &CpuTensor,

@@ -163,6 +163,7 @@ fn pack_weights(w: &[u16], k: usize, rb: usize, valid: usize, s0: usize, ns: usi
 /// tiles as above and `b0`/`b1` each point at `ksteps` consecutive packed tiles (see
 /// [`pack_weights`], [`pack_activations`]); `c` holds at least 4 tiles.
 #[allow(clippy::too_many_arguments)]
+#[inline(never)]
 unsafe fn block(
     w0: *const u16,
     w1: *const u16,

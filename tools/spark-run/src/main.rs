@@ -53,11 +53,11 @@ pub struct ModelArgs {
     #[arg(long)]
     pub dtype: Option<String>,
     /// Quantize a float checkpoint's matrices while loading: int8 (per output channel) or int4
-    /// (grouped, see --quant-group). Linked-in backends only; `spark-run quantize` writes a
-    /// quantized checkpoint instead.
+    /// (asymmetric groups, see --quant-group; the tied embedding/head stays int8). Linked-in
+    /// backends only; `spark-run quantize` writes a quantized checkpoint instead.
     #[arg(long)]
     pub quant: Option<String>,
-    /// Group size for --quant int4 (32, 64 or 128; default 64) or int8 (default: whole row).
+    /// Group size for --quant int4 (32, 64 or 128; default 32) or int8 (default: whole row).
     #[arg(long)]
     pub quant_group: Option<usize>,
 }

@@ -255,8 +255,8 @@ fn logits_of(model: &Path, ids: &[u32], extra: &[&str], out: &Path) -> Vec<f32> 
 }
 
 /// `quantize` writes int8 / int4 checkpoints that load, stay close to the golden f32 logits
-/// (stated bounds: int8 per channel SNR > 30 dB, int4 group 32 > 9 dB (observed 11.6) on this random-weight
-/// checkpoint), and give exactly what quantizing at load (`--quant`) gives.
+/// (stated bounds: int8 per channel SNR > 30 dB, asymmetric int4 group 32 > 12.5 dB (observed ~14) on
+/// this random-weight checkpoint), and give exactly what quantizing at load (`--quant`) gives.
 #[test]
 fn quantize_writes_checkpoints_close_to_the_reference() {
     let g = Golden::load();
@@ -264,7 +264,7 @@ fn quantize_writes_checkpoints_close_to_the_reference() {
     let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
     let ids = g.ids("p0.input_ids");
     let want = g.f32s("p0.prefill_logits");
-    for (to, group, min_snr) in [("int8", None, 30.0), ("int4", Some("32"), 9.0)] {
+    for (to, group, min_snr) in [("int8", None, 30.0), ("int4", Some("32"), 12.5)] {
         let out = dir.path().join(to);
         let mut c = spark();
         c.args(["quantize", "--model"]).arg(&ckpt).args(["--to", to, "--out"]).arg(&out);

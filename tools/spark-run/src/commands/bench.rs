@@ -111,16 +111,15 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Resu
             NamedRef::T(t) => t.bytes().len(),
             NamedRef::W(Weight::Quant(q)) => {
                 let g = if q.group == q.cols { "ch".to_string() } else { format!("g{}", q.group) };
-                note(format!("{}-{g}", q.format));
+                note(format!("{}-{g}{}", q.format, if q.bias.is_some() { "+bias" } else { "" }));
                 q.nbytes()
             }
             NamedRef::W(Weight::Float(t)) => match quant {
                 Some(spec) if !name.ends_with("g_proj.weight") => {
                     let (rows, cols) = (t.shape[0], t.shape[1]);
-                    let group = spec.group_for(&name, cols)?;
-                    let g = if group == cols { "ch".to_string() } else { format!("g{group}") };
-                    note(format!("{}-{g}", spec.format));
-                    rows * spec.format.row_bytes(cols) + 4 * rows * (cols / group)
+                    let plan = spec.plan(&name, cols)?;
+                    note(plan.label(cols));
+                    plan.nbytes(rows, cols)
                 }
                 _ => {
                     if name.ends_with("g_proj.weight") || t.shape.len() == 1 {
