@@ -160,6 +160,20 @@ impl Backend for CpuBackend {
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
         check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
         if let Some(q) = w.quant() {
+            #[cfg(target_arch = "x86_64")]
+            if self.simd == Simd::Amx
+                && round == DType::BF16
+                && x.rows >= kernels::matmul::AMX_QUANT_MIN_TOKENS
+                && kernels::amx::supports(x.cols)
+                && kernels::amx::available()
+            {
+                let wq = kernels::amx::Weights::Quant(q);
+                // SAFETY: amx::available() and supports(k) were checked.
+                self.pool.install(|| unsafe {
+                    kernels::amx::matmul(&x.data, x.rows, x.cols, wq, w.rows, &mut out.data, round)
+                });
+                return Ok(());
+            }
             let qs = self.simd.qsimd();
             self.pool.install(|| kernels::qmatmul::qmatmul(qs, &x.data, x.rows, x.cols, q, &mut out.data, round));
             return Ok(());

@@ -367,3 +367,59 @@ fn activation_quantization_is_identical_on_every_path() {
     assert_eq!(r.q[0], -127);
     assert!(r.d[0] > 0.0);
 }
+
+/// With AMX, int8/int4 matmuls of 32+ tokens whose activations are bf16 run on bf16 tiles: the
+/// weights dequantized exactly (`QTensor` values) and rounded to bf16. Checked against an f64
+/// reference on those bf16 weights (one bf16 ulp of the output), and `QMat::dequant_bf16`
+/// against `QTensor::dequantize` directly, for every format/group/bias, odd row counts, k across
+/// several 512-wide cache blocks.
+#[test]
+fn amx_dequantized_tiles_match_reference() {
+    if Simd::detect() < Simd::Amx {
+        eprintln!("skipped: this CPU has no AMX (Simd {:?})", Simd::detect());
+        return;
+    }
+    let mut seed = 99u64;
+    let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
+    let be = CpuBackend::with_simd(Some(2), Simd::Amx).unwrap();
+    for &(format, group, bias) in &[
+        (QFormat::I8, 0usize, false),
+        (QFormat::I8, 32, false),
+        (QFormat::I4, 32, true),
+        (QFormat::I4, 64, false),
+        (QFormat::I4, 128, true),
+        (QFormat::I4, 16, true),
+    ] {
+        for &(n, k, m) in &[(32usize, 128usize, 33usize), (40, 640, 70), (97, 1152, 17)] {
+            let g = if group == 0 { k } else { group };
+            let q = random_q(m, k, format, g, bias, &mut seed);
+            let deq = q.dequantize();
+            let qm = QMat::from_qtensor(&q);
+            for r in [0, m / 2, m - 1] {
+                let mut bits = vec![0u16; k];
+                qm.dequant_bf16(r, 0, &mut bits);
+                for c in 0..k {
+                    let want = half::bf16::from_f32(deq[r * k + c]).to_bits();
+                    assert_eq!(bits[c], want, "{format} g{g} row {r} col {c}");
+                }
+            }
+            let x: Vec<f32> = random_x(n, k, &mut seed).into_iter().map(bfv).collect();
+            let w = be.upload_quant(&q, WeightRole::Matrix, DType::BF16).unwrap();
+            let xt = CpuTensor { rows: n, cols: k, data: x.clone() };
+            let mut out = be.alloc(n, m).unwrap();
+            be.matmul(&xt, &w, &mut out, DType::BF16).unwrap();
+            for t in 0..n {
+                for r in 0..m {
+                    let exact: f64 =
+                        (0..k).map(|c| x[t * k + c] as f64 * bfv(deq[r * k + c]) as f64).sum();
+                    let got = out.data[t * m + r] as f64;
+                    let tol = (exact.abs() / 128.0).max(1e-3);
+                    assert!(
+                        (got - bfv(exact as f32) as f64).abs() <= tol,
+                        "{format} g{g} bias {bias} n={n} k={k} m={m} [{t},{r}]: {got} vs {exact}"
+                    );
+                }
+            }
+        }
+    }
+}

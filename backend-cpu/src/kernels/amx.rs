@@ -24,7 +24,16 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 use spark_core::DType;
 
+use super::qmatmul::QMat;
 use super::SharedOut;
+
+/// The weights of an AMX matmul: bf16 rows (read in place or copied into tiles), or an int8 /
+/// int4 matrix dequantized into bf16 tiles as they are packed.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    Bf16(&'a [u16]),
+    Quant(&'a QMat),
+}
 
 /// Weight rows per micro-kernel block (two A tiles).
 const MB: usize = 32;
@@ -136,11 +145,18 @@ fn pack_activations(x: &[f32], n: usize, k: usize) -> Vec<u16> {
 /// Copy weight rows `rb..rb+valid` (zero rows up to 32), k steps `s0..s0+ns`, into A tiles:
 /// tile `(a * ns + s)` holds rows `rb + 16a ..+16`, columns `32 (s0 + s)..+32`, 64 bytes per row.
 /// Contiguous tiles stay in L1 (rows 4 KiB apart in place would all map to the same L1 sets).
-fn pack_weights(w: &[u16], k: usize, rb: usize, valid: usize, s0: usize, ns: usize, apack: &mut [u16]) {
+fn pack_weights(w: Weights<'_>, k: usize, rb: usize, valid: usize, s0: usize, ns: usize, apack: &mut [u16]) {
+    let mut row = vec![0u16; ns * KS];
     for r in 0..MB {
         let (a, i) = (r / 16, r % 16);
         if r < valid {
-            let src = &w[(rb + r) * k + s0 * KS..][..ns * KS];
+            let src: &[u16] = match w {
+                Weights::Bf16(w) => &w[(rb + r) * k + s0 * KS..][..ns * KS],
+                Weights::Quant(q) => {
+                    q.dequant_bf16(rb + r, s0 * KS, &mut row);
+                    &row
+                }
+            };
             for (s, seg) in src.chunks_exact(KS).enumerate() {
                 apack[(a * ns + s) * TILE_U16 + i * 32..][..32].copy_from_slice(seg);
             }
@@ -240,14 +256,19 @@ pub fn supports(k: usize) -> bool {
     k > 0 && k % KS == 0
 }
 
-/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for bf16 `w` `[m, k]`, on AMX tiles.
+/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for `w` `[m, k]`, on AMX tiles.
 /// `x` must hold bf16 values (see the module doc); rows are split across the rayon pool.
+/// Quantized weights are dequantized exactly ([`QMat::dequant_bf16`]) and rounded to bf16
+/// (relative error at most 2^-9 per weight) as their tiles are packed.
 ///
 /// # Safety
 /// [`available`] returned true; [`supports`]`(k)`.
-pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &mut [f32], round: DType) {
+pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, out: &mut [f32], round: DType) {
     assert_eq!(x.len(), n * k, "amx matmul: x has the wrong size");
-    assert_eq!(w.len(), m * k, "amx matmul: w has the wrong size");
+    match w {
+        Weights::Bf16(w) => assert_eq!(w.len(), m * k, "amx matmul: w has the wrong size"),
+        Weights::Quant(q) => assert!(q.rows == m && q.cols == k, "amx matmul: w has the wrong shape"),
+    }
     assert_eq!(out.len(), n * m, "amx matmul: out has the wrong size");
     let ksteps = k / KS;
     let xp = pack_activations(x, n, k);
@@ -274,7 +295,7 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &m
                 let rb = r0 + rbi * MB;
                 let valid = MB.min(r1 - rb);
                 // Few token blocks use each weight slice at most twice: read full row blocks in place.
-                let (w0, w1, a_step, a_stride) = if tpairs <= 2 && valid == MB {
+                let (w0, w1, a_step, a_stride) = if let (Weights::Bf16(w), true) = (w, tpairs <= 2 && valid == MB) {
                     (w[rb * k + s0 * KS..].as_ptr(), w[(rb + 16) * k + s0 * KS..].as_ptr(), KS, 2 * k)
                 } else {
                     pack_weights(w, k, rb, valid, s0, ns, &mut apack);

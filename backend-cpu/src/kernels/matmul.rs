@@ -39,6 +39,9 @@ impl<'a> Mat<'a> {
 
 /// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present.
 pub const AMX_MIN_TOKENS: usize = 5;
+/// From this many tokens, int8/int4 matmuls with bf16 activations run on AMX tiles (weights
+/// dequantized to bf16 as they are packed) instead of the W8A8 / W4A8 integer kernels.
+pub const AMX_QUANT_MIN_TOKENS: usize = 32;
 /// Below this many tokens, matmuls run as a multi-token GEMV (no panel packing).
 const SMALL_BATCH: usize = 16;
 /// Tokens per AVX2 micro-kernel call.
@@ -60,7 +63,7 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
             && super::amx::available()
         {
             // SAFETY: amx::available() and supports(k) were checked.
-            unsafe { super::amx::matmul(x, n, k, d, m, out, round) };
+            unsafe { super::amx::matmul(x, n, k, super::amx::Weights::Bf16(d), m, out, round) };
             return;
         }
     }

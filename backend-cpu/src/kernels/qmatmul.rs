@@ -202,6 +202,37 @@ impl QMat {
         }
     }
 
+    /// Columns `c0..c0 + out.len()` of row `r` dequantized as [`QMat::dequant_row`] does, then
+    /// rounded to bf16 (bits). `c0` and the length are multiples of 16 within `cols`.
+    pub fn dequant_bf16(&self, r: usize, c0: usize, out: &mut [u16]) {
+        assert!(c0 % 16 == 0 && out.len() % 16 == 0 && c0 + out.len() <= self.cols, "dequant_bf16: range");
+        let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
+        let s = &self.scales[r * self.ng..(r + 1) * self.ng];
+        let b = self.bias.as_ref().map(|b| &b[r * self.ng..(r + 1) * self.ng]);
+        for (hi, o16) in out.chunks_exact_mut(16).enumerate() {
+            let c = c0 + hi * 16;
+            let g = self.sidx[c / 16] as usize;
+            let (sg, bg) = (s[g], b.map_or(0.0, |b| b[g]));
+            let mut q = [0i32; 16];
+            match self.format {
+                QFormat::I8 => {
+                    for (q, &v) in q.iter_mut().zip(&row[c..c + 16]) {
+                        *q = v as i8 as i32;
+                    }
+                }
+                QFormat::I4 => {
+                    let (base, high) = ((c / QCHUNK) * 32 + c % 32, c % QCHUNK >= 32);
+                    for (q, &v) in q.iter_mut().zip(&row[base..base + 16]) {
+                        *q = (if high { v >> 4 } else { v & 0xF }) as i32 - 8;
+                    }
+                }
+            }
+            for (o, &q) in o16.iter_mut().zip(&q) {
+                *o = (spark_core::dtype::round_bf16(sg * q as f32 + bg).to_bits() >> 16) as u16;
+            }
+        }
+    }
+
     /// Row `r` dequantized into `out` (`cols` long), with the same float operations as
     /// [`QTensor::dequant_row`] (so the results are identical).
     pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
