@@ -47,9 +47,9 @@ fn matmul_matches_scalar_reference() {
 }
 
 /// bf16 weights times bf16-valued activations with bf16 output rounding: the case AMX tiles take
-/// (five or more tokens, k a multiple of 32; weights read in place up to 64 tokens, packed and
-/// k-blocked by 512 beyond, short row blocks padded), plus shapes that fall back (few tokens,
-/// odd k).
+/// (two or more tokens, k a multiple of 32; 64-row runs against one token block up to 16 tokens,
+/// weights read in place up to 64 tokens, packed and k-blocked by 512 beyond, short row blocks
+/// padded), plus shapes that fall back (one token, odd k).
 /// Every level must land within one bf16 ulp of the f64 result rounded to bf16.
 #[test]
 fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
@@ -67,6 +67,10 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
         (40, 160, 65),
         (97, 96, 40),
         (150, 544, 66),
+        (12, 96, 130),
+        (2, 2048, 64),
+        (3, 64, 600),
+        (16, 96, 530),
         (1, 64, 33),
         (7, 70, 19),
     ];

@@ -8,7 +8,8 @@
 //!   bf16/f16 once per panel) and runs a broadcast outer-product micro-kernel over 6 (AVX2) or
 //!   12 (AVX-512) tokens x 16 rows ([`avx2::panel_kernel`]) for every token.
 //! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
-//!   least [`AMX_MIN_TOKENS`] tokens run on AMX tiles ([`super::amx`]).
+//!   least [`AMX_MIN_TOKENS`] tokens run on AMX tiles ([`super::amx`]): from DRAM its 64-row x
+//!   16-token kernel streams weights faster than the multi-token GEMV already at two tokens.
 //! - The portable path computes plain dot products.
 
 use rayon::prelude::*;
@@ -38,7 +39,7 @@ impl<'a> Mat<'a> {
 }
 
 /// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present.
-pub const AMX_MIN_TOKENS: usize = 5;
+pub const AMX_MIN_TOKENS: usize = 2;
 /// From this many tokens, int8/int4 matmuls with bf16 activations run on AMX tiles (weights
 /// dequantized to bf16 as they are packed) instead of the W8A8 / W4A8 integer kernels.
 pub const AMX_QUANT_MIN_TOKENS: usize = 32;
