@@ -410,8 +410,7 @@ fn amx_dequantized_tiles_match_reference() {
             be.matmul(&xt, &w, &mut out, DType::BF16).unwrap();
             for t in 0..n {
                 for r in 0..m {
-                    let exact: f64 =
-                        (0..k).map(|c| x[t * k + c] as f64 * bfv(deq[r * k + c]) as f64).sum();
+                    let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(deq[r * k + c]) as f64).sum();
                     let got = out.data[t * m + r] as f64;
                     let tol = (exact.abs() / 128.0).max(1e-3);
                     assert!(

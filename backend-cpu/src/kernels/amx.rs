@@ -315,7 +315,7 @@ unsafe fn block_4x1(w: [*const u16; 4], a_stride: usize, b: *const u16, ksteps: 
 
 /// Whether [`matmul`] takes these shapes: `k` a multiple of 32.
 pub fn supports(k: usize) -> bool {
-    k > 0 && k % KS == 0
+    k > 0 && k.is_multiple_of(KS)
 }
 
 /// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for `w` `[m, k]`, on AMX tiles.

@@ -205,7 +205,10 @@ impl QMat {
     /// Columns `c0..c0 + out.len()` of row `r` dequantized as [`QMat::dequant_row`] does, then
     /// rounded to bf16 (bits). `c0` and the length are multiples of 16 within `cols`.
     pub fn dequant_bf16(&self, r: usize, c0: usize, out: &mut [u16]) {
-        assert!(c0 % 16 == 0 && out.len() % 16 == 0 && c0 + out.len() <= self.cols, "dequant_bf16: range");
+        assert!(
+            c0.is_multiple_of(16) && out.len().is_multiple_of(16) && c0 + out.len() <= self.cols,
+            "dequant_bf16: range"
+        );
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
         let s = &self.scales[r * self.ng..(r + 1) * self.ng];
         let b = self.bias.as_ref().map(|b| &b[r * self.ng..(r + 1) * self.ng]);
