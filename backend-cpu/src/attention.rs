@@ -204,6 +204,20 @@ struct Block {
     kvh: usize,
 }
 
+impl Block {
+    /// Calls `f(query, head, row)` for every (query, head) of the block, `row` numbering them
+    /// query-major from 0.
+    #[inline]
+    fn each_row(&self, mut f: impl FnMut(usize, usize, usize)) {
+        let nh = self.h1 - self.h0;
+        for i in self.i0..self.i1 {
+            for h in self.h0..self.h1 {
+                f(i, h, (i - self.i0) * nh + (h - self.h0));
+            }
+        }
+    }
+}
+
 /// A task's buffers, reused across tasks on one thread.
 #[derive(Default)]
 struct Scratch {
@@ -258,17 +272,14 @@ fn attend_block(
     scratch.scores.clear();
     scratch.scores.resize(nrows * span, 0.0);
     // Pass 1: scores, each key row read once for the whole block.
+    let sees = |i: usize, pos: usize| (lo_of(i)..=pos_of(i)).contains(&pos);
     for pos in lo..=hi {
         let k = key(pos);
-        for i in b.i0..b.i1 {
-            if pos < lo_of(i) || pos > pos_of(i) {
-                continue;
-            }
-            for h in b.h0..b.h1 {
-                let r = (i - b.i0) * nh + (h - b.h0);
+        b.each_row(|i, h, r| {
+            if sees(i, pos) {
                 scratch.scores[r * span + pos - lo] = round.round(round.round(dot(simd, query(i, h), k)) * shape.scale);
             }
-        }
+        });
     }
     // Pass 2: softmax per row over its own keys, probabilities rounded to the activation type.
     for i in b.i0..b.i1 {
@@ -293,15 +304,11 @@ fn attend_block(
     scratch.acc.resize(nrows * d, 0.0);
     for pos in lo..=hi {
         let v = value(pos);
-        for i in b.i0..b.i1 {
-            if pos < lo_of(i) || pos > pos_of(i) {
-                continue;
-            }
-            for h in b.h0..b.h1 {
-                let r = (i - b.i0) * nh + (h - b.h0);
+        b.each_row(|i, _, r| {
+            if sees(i, pos) {
                 axpy(simd, scratch.scores[r * span + pos - lo], v, &mut scratch.acc[r * d..(r + 1) * d]);
             }
-        }
+        });
     }
     for i in b.i0..b.i1 {
         for h in b.h0..b.h1 {

@@ -222,11 +222,8 @@ unsafe fn block(
         if in_place && s + PREFETCH_STEPS < ksteps {
             // Rows 2k bytes apart are 32 separate streams: fetch each one's segment a few steps
             // ahead so the tile loads find it in cache.
-            let (p0, p1) = (w0.add((s + PREFETCH_STEPS) * a_step), w1.add((s + PREFETCH_STEPS) * a_step));
-            for r in 0..16 {
-                _mm_prefetch::<_MM_HINT_T0>(p0.cast::<u8>().add(r * a_stride).cast());
-                _mm_prefetch::<_MM_HINT_T0>(p1.cast::<u8>().add(r * a_stride).cast());
-            }
+            prefetch_rows(w0.add((s + PREFETCH_STEPS) * a_step), a_stride);
+            prefetch_rows(w1.add((s + PREFETCH_STEPS) * a_step), a_stride);
         }
         asm!(
             "tileloadd tmm4, [{a0} + {sa}*1]",
@@ -246,18 +243,7 @@ unsafe fn block(
             options(nostack, readonly),
         );
     }
-    asm!(
-        "tilestored [{c0} + {s}*1], tmm0",
-        "tilestored [{c1} + {s}*1], tmm1",
-        "tilestored [{c2} + {s}*1], tmm2",
-        "tilestored [{c3} + {s}*1], tmm3",
-        c0 = in(reg) c[0].as_mut_ptr(),
-        c1 = in(reg) c[1].as_mut_ptr(),
-        c2 = in(reg) c[2].as_mut_ptr(),
-        c3 = in(reg) c[3].as_mut_ptr(),
-        s = in(reg) 64usize,
-        options(nostack),
-    );
+    store_c(c);
 }
 
 /// 64 weight rows x one 16-token block over all `ksteps`: `c[a]` = rows `16a..16a+16` x the 16
@@ -273,10 +259,7 @@ unsafe fn block_4x1(w: [*const u16; 4], a_stride: usize, b: *const u16, ksteps: 
     for s in 0..ksteps {
         if s + PREFETCH_STEPS < ksteps {
             for wa in w {
-                let p = wa.add((s + PREFETCH_STEPS) * KS).cast::<u8>();
-                for r in 0..16 {
-                    _mm_prefetch::<_MM_HINT_T0>(p.add(r * a_stride).cast());
-                }
+                prefetch_rows(wa.add((s + PREFETCH_STEPS) * KS), a_stride);
             }
         }
         asm!(
@@ -299,6 +282,15 @@ unsafe fn block_4x1(w: [*const u16; 4], a_stride: usize, b: *const u16, ksteps: 
             options(nostack, readonly),
         );
     }
+    store_c(c);
+}
+
+/// Store tmm0-3 into `c[0..4]` (16 x 16 f32 each).
+///
+/// # Safety
+/// AMX is [`available`], this thread has loaded [`CONFIG`], and `c` holds at least 4 tiles.
+#[inline(always)]
+unsafe fn store_c(c: &mut [[f32; 256]]) {
     asm!(
         "tilestored [{c0} + {s}*1], tmm0",
         "tilestored [{c1} + {s}*1], tmm1",
@@ -311,6 +303,17 @@ unsafe fn block_4x1(w: [*const u16; 4], a_stride: usize, b: *const u16, ksteps: 
         s = in(reg) 64usize,
         options(nostack),
     );
+}
+
+/// Prefetch the 64-byte segment at `p` of 16 rows `stride` bytes apart.
+///
+/// # Safety
+/// Prefetches never fault; `p + 15 * stride` must not overflow the address space.
+#[inline(always)]
+unsafe fn prefetch_rows(p: *const u16, stride: usize) {
+    for r in 0..16 {
+        _mm_prefetch::<_MM_HINT_T0>(p.cast::<u8>().wrapping_add(r * stride).cast());
+    }
 }
 
 /// Whether [`matmul`] takes these shapes: `k` a multiple of 32.
