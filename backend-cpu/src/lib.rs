@@ -161,14 +161,9 @@ impl Backend for CpuBackend {
         check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
         if let Some(q) = w.quant() {
             #[cfg(target_arch = "x86_64")]
-            if self.simd == Simd::Amx
-                && round == DType::BF16
-                && x.rows >= kernels::matmul::AMX_QUANT_MIN_TOKENS
-                && kernels::amx::supports(x.cols)
-                && kernels::amx::available()
-            {
+            if x.rows >= kernels::matmul::AMX_QUANT_MIN_TOKENS && kernels::amx::eligible(self.simd, round, x.cols) {
                 let wq = kernels::amx::Weights::Quant(q);
-                // SAFETY: amx::available() and supports(k) were checked.
+                // SAFETY: eligible() checked amx::available() and supports(k).
                 self.pool.install(|| unsafe {
                     kernels::amx::matmul(&x.data, x.rows, x.cols, wq, w.rows, &mut out.data, round)
                 });

@@ -316,6 +316,13 @@ unsafe fn prefetch_rows(p: *const u16, stride: usize) {
     }
 }
 
+/// Whether a matmul at SIMD level `simd`, output rounding `round` and row length `k` can run on
+/// AMX tiles: AMX granted, activations bf16 (the graph rounds them when `round` is bf16), `k` a
+/// multiple of 32. Callers add their own minimum token count.
+pub fn eligible(simd: super::Simd, round: DType, k: usize) -> bool {
+    simd == super::Simd::Amx && round == DType::BF16 && supports(k) && available()
+}
+
 /// Whether [`matmul`] takes these shapes: `k` a multiple of 32.
 pub fn supports(k: usize) -> bool {
     k > 0 && k.is_multiple_of(KS)
@@ -343,36 +350,8 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
     let chunk = (m.div_ceil(threads * 4)).div_ceil(MB).max(1) * MB;
     let outp = SharedOut(out.as_mut_ptr());
     let tpairs = tblocks.div_ceil(2);
-    (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
-        let (mut r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
-        // SAFETY: AMX is available (caller); the config is a valid palette-1 configuration.
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
-        // Up to 16 tokens (decode-sized batches): one B tile against four A tiles per step, so
-        // each step streams 64 weight rows x 32 columns with 5 tile loads.
-        if let (Weights::Bf16(wb), 1) = (w, tblocks) {
-            let mut c = [[0.0f32; 256]; 4];
-            while r0 + 4 * 16 <= r1 {
-                let ws = [0, 16, 32, 48].map(|o| wb[(r0 + o) * k..].as_ptr());
-                // SAFETY: the tile config is loaded on this thread; each ws[a] starts 16 full rows
-                // of k bf16 (r0 + 64 <= r1 <= m); xp holds ksteps packed tiles of the one block.
-                unsafe { block_4x1(ws, 2 * k, xp.as_ptr(), ksteps, &mut c) };
-                for t in 0..n {
-                    for (a, tile) in c.iter().enumerate() {
-                        let base = t * m + r0 + 16 * a;
-                        for i in 0..16 {
-                            // SAFETY: t < n, r0 + 16a + i < r1 <= m; rows [r0, r1) are this task's.
-                            unsafe { outp.put(base + i, round.round(tile[i * 16 + t])) };
-                        }
-                    }
-                }
-                r0 += 64;
-            }
-            if r0 == r1 {
-                // SAFETY: releases this thread's tile state (AMX available).
-                unsafe { asm!("tilerelease", options(nostack, nomem)) };
-                return;
-            }
-        }
+    // Rows r0..r1 of any shape, C blocks of 32 rows x 32 tokens (the tile config is loaded).
+    let general = |r0: usize, r1: usize| {
         let rblocks = (r1 - r0).div_ceil(MB);
         // Cache blocking: k in slices of KC_STEPS steps (outer), so the activations' slice
         // (n x 512 bf16) stays in L2 across all row blocks and each row block's weight slice
@@ -416,19 +395,54 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
                             break;
                         }
                         for a in 0..2 {
-                            let tile = &c[2 * a + b];
-                            let base = t * m + rb + 16 * a;
-                            for i in 0..16.min(valid.saturating_sub(16 * a)) {
-                                // SAFETY: t < n, rb + 16a + i < r1 <= m; rows [r0, r1) belong to
-                                // this task.
-                                unsafe { outp.put(base + i, round.round(tile[i * 16 + j])) };
-                            }
+                            let rows = 16.min(valid.saturating_sub(16 * a));
+                            // SAFETY: t < n; rows rb + 16a .. + rows lie in [r0, r1), this
+                            // task's rows.
+                            unsafe { put_column(outp, &c[2 * a + b], j, t * m + rb + 16 * a, rows, round) };
                         }
                     }
                 }
             }
         }
+    };
+    (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+        let (mut r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
+        // SAFETY: AMX is available (caller); the config is a valid palette-1 configuration.
+        unsafe { asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
+        // Up to 16 tokens (decode-sized batches): one B tile against four A tiles per step, so
+        // each step streams 64 weight rows x 32 columns with 5 tile loads.
+        if let (Weights::Bf16(wb), 1) = (w, tblocks) {
+            let mut c = [[0.0f32; 256]; 4];
+            while r0 + 4 * 16 <= r1 {
+                let ws = [0, 16, 32, 48].map(|o| wb[(r0 + o) * k..].as_ptr());
+                // SAFETY: the tile config is loaded on this thread; each ws[a] starts 16 full rows
+                // of k bf16 (r0 + 64 <= r1 <= m); xp holds ksteps packed tiles of the one block.
+                unsafe { block_4x1(ws, 2 * k, xp.as_ptr(), ksteps, &mut c) };
+                for t in 0..n {
+                    for (a, tile) in c.iter().enumerate() {
+                        // SAFETY: t < n; rows r0 + 16a .. +16 lie in [r0, r1), this task's rows.
+                        unsafe { put_column(outp, tile, t, t * m + r0 + 16 * a, 16, round) };
+                    }
+                }
+                r0 += 64;
+            }
+        }
+        if r0 < r1 {
+            general(r0, r1);
+        }
         // SAFETY: releases this thread's tile state (AMX available).
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
     });
+}
+
+/// Write column `j` of C tile `tile` (rows x 16 tokens, f32) as `rows` consecutive outputs from
+/// `out[base]`, rounded.
+///
+/// # Safety
+/// `out[base..base + rows]` is inside the output and written by no other thread.
+#[inline(always)]
+unsafe fn put_column(out: SharedOut, tile: &[f32; 256], j: usize, base: usize, rows: usize, round: DType) {
+    for i in 0..rows {
+        out.put(base + i, round.round(tile[i * 16 + j]));
+    }
 }

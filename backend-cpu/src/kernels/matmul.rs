@@ -57,13 +57,8 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
     assert_eq!(out.len(), n * m, "matmul: out has the wrong size");
     #[cfg(target_arch = "x86_64")]
     if let Mat::BF16(d) = w {
-        if simd == Simd::Amx
-            && n >= AMX_MIN_TOKENS
-            && round == DType::BF16
-            && super::amx::supports(k)
-            && super::amx::available()
-        {
-            // SAFETY: amx::available() and supports(k) were checked.
+        if n >= AMX_MIN_TOKENS && super::amx::eligible(simd, round, k) {
+            // SAFETY: eligible() checked amx::available() and supports(k).
             unsafe { super::amx::matmul(x, n, k, super::amx::Weights::Bf16(d), m, out, round) };
             return;
         }

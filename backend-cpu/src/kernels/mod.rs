@@ -3,8 +3,9 @@
 //! [`Simd::detect`] picks AMX-BF16, AVX-512F or AVX2+FMA(+F16C) when the processor has them, else
 //! the portable path.
 //! `SPARK_CPU_SIMD=portable`, `=avx2` or `=avx512` caps the level (tests compare the paths).
-//! AVX-512F only changes the prefill micro-kernel; AMX only the bf16 matmuls of two or more
-//! tokens whose activations are bf16 ([`amx`]); everything else runs the AVX2 code.
+//! AVX-512F only changes the prefill micro-kernel; AMX only the matmuls whose activations are
+//! bf16: bf16 weights from two tokens, int8/int4 weights (dequantized into bf16 tiles) from 32
+//! ([`amx`]); everything else runs the AVX2 code.
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AVX-512 VNNI (with
 //! AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=avx512` caps it below VNNI
