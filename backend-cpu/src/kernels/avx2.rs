@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::Row;
+use super::{Prefetcher, Row};
 
 /// Load 8 weights at `i` as f32.
 #[inline(always)]
@@ -170,6 +170,12 @@ impl Elem for F16 {
     }
 }
 
+/// A prefetcher for `rows` rows of `k` elements from row `r` of `wp`, over `steps` steps.
+#[inline(always)]
+fn next_rows<E>(wp: *const E, k: usize, r: usize, rows: usize, steps: usize) -> Prefetcher {
+    Prefetcher::new(wp.wrapping_add(r * k) as *const u8, rows * k * std::mem::size_of::<E>(), steps)
+}
+
 /// GEMV rows `r0..r1`: `out[r - r0] = x . w[r]`, four rows at a time with two accumulators
 /// each, every weight element read once (decode is bound by this stream).
 ///
@@ -184,9 +190,12 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
     let mut r = r0;
     while r + 4 <= r1 {
         let rows = [wp.add(r * k), wp.add((r + 1) * k), wp.add((r + 2) * k), wp.add((r + 3) * k)];
+        // The next four rows (if inside the range) stream into L2 meanwhile.
+        let pf = next_rows(wp, k, r + 4, (r1 - r - 4).min(4), body / 16);
         let mut a = [_mm256_setzero_ps(); 8];
         let mut i = 0;
         while i < body {
+            pf.step(i / 16);
             let x0 = _mm256_loadu_ps(xp.add(i));
             let x1 = _mm256_loadu_ps(xp.add(i + 8));
             for (j, rp) in rows.iter().enumerate() {
@@ -339,9 +348,12 @@ pub unsafe fn gemv_multi<E: Elem, const T: usize>(
     while r < r1 {
         let nr = if r + 2 <= r1 { 2 } else { 1 };
         let rows = [wp.add(r * k), wp.add((r + nr - 1) * k)];
+        // The next two rows stream into L2 meanwhile, as in [`gemv`].
+        let pf = next_rows(wp, k, r + nr, (r1 - r - nr).min(2), body / 8);
         let mut a = [[_mm256_setzero_ps(); T]; 2];
         let mut i = 0;
         while i < body {
+            pf.step(i / 8);
             let w0 = E::load8(rows[0].add(i));
             let w1 = E::load8(rows[1].add(i));
             for t in 0..T {

@@ -7,6 +7,9 @@
 //! - Prefill (n >= 16) packs 16 weight rows at a time into an f32 panel `[k][16]` (converting
 //!   bf16/f16 once per panel) and runs a broadcast outer-product micro-kernel over 6 (AVX2) or
 //!   12 (AVX-512) tokens x 16 rows ([`avx2::panel_kernel`]) for every token.
+//! - On CPUs with AVX512_BF16, bf16 weights times bf16-valued activations of a few tokens run
+//!   `vdpbf16ps` dot products on the weights in place ([`super::avx512bf16`], see
+//!   [`bf16_dot_takes`]).
 //! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
 //!   least [`AMX_MIN_TOKENS`] tokens run on AMX tiles ([`super::amx`]): from DRAM its 64-row x
 //!   16-token kernel streams weights faster than the multi-token GEMV already at two tokens.
@@ -38,6 +41,18 @@ impl<'a> Mat<'a> {
     }
 }
 
+/// Whether a bf16 matmul of `n` tokens with bf16 activations runs `vdpbf16ps` dot products
+/// ([`super::avx512bf16`], on CPUs with AVX512_BF16): 2-15 tokens at the `Avx512` level, where it
+/// beat the AVX2 multi-token GEMV by 25-35 % at 4 and 8 tokens; 2-4 tokens with AMX, where it beat
+/// the 64x16 tile kernel by 15-35 % while AMX wins from 8 (2 threads, Sapphire Rapids, weights
+/// from DRAM). One token stays on the AVX2 GEMV (no gain measured).
+pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
+    match simd {
+        Simd::Avx512 => (2..SMALL_BATCH).contains(&n),
+        Simd::Amx => (2..=4).contains(&n),
+        _ => false,
+    }
+}
 /// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present.
 pub const AMX_MIN_TOKENS: usize = 2;
 /// From this many tokens, int8/int4 matmuls with bf16 activations run on AMX tiles (weights
@@ -57,6 +72,11 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
     assert_eq!(out.len(), n * m, "matmul: out has the wrong size");
     #[cfg(target_arch = "x86_64")]
     if let Mat::BF16(d) = w {
+        if bf16_dot_takes(simd, n) && round == DType::BF16 && super::avx512bf16::available() {
+            // SAFETY: available() checked AVX512F/BW/BF16.
+            unsafe { super::avx512bf16::matmul(x, n, k, d, m, out, round) };
+            return;
+        }
         if n >= AMX_MIN_TOKENS && super::amx::eligible(simd, round, k) {
             // SAFETY: eligible() checked amx::available() and supports(k).
             unsafe { super::amx::matmul(x, n, k, super::amx::Weights::Bf16(d), m, out, round) };

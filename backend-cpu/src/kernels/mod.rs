@@ -14,6 +14,7 @@
 pub mod amx;
 pub mod avx2;
 pub mod avx512;
+pub mod avx512bf16;
 pub mod matmul;
 pub mod portable;
 pub mod qavx2;
@@ -119,6 +120,50 @@ impl QSimd {
             QSimd::Portable => "portable",
             QSimd::Avx2 => "avx2",
             QSimd::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// Streams the rows the next tile of a GEMV will read into L2 while the current tile runs, one
+/// slice per step of it. A tile's rows are a few KiB each: runs too short for the hardware
+/// prefetcher to keep a decode GEMV at the memory's pace on its own (measured: +15-25 % decode
+/// speed on Sapphire Rapids).
+#[derive(Clone, Copy)]
+pub(crate) struct Prefetcher {
+    next: *const u8,
+    /// Bytes per step (0: nothing to prefetch).
+    step: usize,
+}
+
+impl Prefetcher {
+    /// Nothing to prefetch.
+    pub(crate) fn none() -> Prefetcher {
+        Prefetcher { next: std::ptr::null(), step: 0 }
+    }
+
+    /// `bytes` from `next` (inside one allocation; `next` may be null when `bytes == 0`) over
+    /// `steps` steps.
+    pub(crate) fn new(next: *const u8, bytes: usize, steps: usize) -> Prefetcher {
+        if steps == 0 || bytes == 0 {
+            return Prefetcher::none();
+        }
+        Prefetcher { next, step: bytes.div_ceil(steps) }
+    }
+
+    /// Prefetch slice `i` into L2.
+    ///
+    /// # Safety
+    /// `i` is below the step count given to [`Prefetcher::new`] (the slice then starts inside
+    /// the region; a prefetch never faults, and the last slice's end is only rounded up).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub(crate) unsafe fn step(&self, i: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let mut off = (i * self.step) & !63;
+        let hi = (i + 1) * self.step;
+        while off < hi {
+            _mm_prefetch::<_MM_HINT_T1>(self.next.wrapping_add(off) as *const i8);
+            off += 64;
         }
     }
 }

@@ -114,7 +114,9 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
     let ones = _mm256_set1_epi16(1);
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let pf = a.prefetcher(nb);
     for b in 0..nb {
+        pf.step(b);
         let mut wu = [_mm256_setzero_si256(); R];
         let mut ws = [_mm256_setzero_si256(); R];
         let mut sv = [_mm256_setzero_ps(); R];
@@ -203,7 +205,11 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
         while t < nt {
             // Per-block scales or the int4 correction run out of registers at 2 x 4: use 2 x 3.
             let tt = (nt - t).min(if S::ROW && !F::Z8 { 4 } else { 3 });
-            let a = args(r, t0 + t);
+            let mut a = args(r, t0 + t);
+            if t + tt >= nt {
+                // The last token tile over these rows: fetch the next rows meanwhile.
+                a.prefetch_rows(nr, (r1 - r - nr).min(nr));
+            }
             let base = t * ld + r - r0;
             macro_rules! go {
                 ($r:literal, $t:literal) => {{

@@ -131,7 +131,9 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
     let nb = a.kp / QBLOCK;
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let pf = a.prefetcher(nc);
     for c in 0..nc {
+        pf.step(c);
         let mut wv = [_mm512_setzero_si512(); R];
         let mut sv = [_mm512_setzero_ps(); R];
         for r in 0..R {
@@ -213,7 +215,11 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
         while t < nt {
             // Per-block scales with unpacked int4 run out of registers at 4 x 4: use 4 x 3.
             let tt = (nt - t).min(if S::WIDE_SCALES && F::UNPACK { 3 } else { 4 });
-            let a = args(r, t0 + t);
+            let mut a = args(r, t0 + t);
+            if t + tt >= nt {
+                // The last token tile over these rows: fetch the next rows meanwhile.
+                a.prefetch_rows(nr, (r1 - r - nr).min(nr));
+            }
             let base = t * ld + r - r0;
             macro_rules! go {
                 ($r:literal, $t:literal) => {{

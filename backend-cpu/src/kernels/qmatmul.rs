@@ -45,7 +45,7 @@ use rayon::prelude::*;
 use spark_core::quant::{QFormat, QTensor};
 use spark_core::DType;
 
-use super::{QSimd, SharedOut};
+use super::{Prefetcher, QSimd, SharedOut};
 
 /// Activation block (values sharing one int8 scale).
 pub const QBLOCK: usize = 32;
@@ -398,6 +398,28 @@ pub(crate) struct TileArgs<'a> {
     /// The token tile's 4-column sums (`kp / 4` apart).
     pub s4: *const i32,
     pub kp: usize,
+    /// The packed rows the next tile will read (`next_bytes` from here, inside `w`'s buffer),
+    /// prefetched a slice per step while this tile runs; `next_bytes == 0` for none. A tile's
+    /// rows are a few KiB each, runs too short for the hardware prefetcher to keep a decode
+    /// GEMV at the memory's pace on its own.
+    pub next: *const u8,
+    pub next_bytes: usize,
+}
+
+impl TileArgs<'_> {
+    /// Point the prefetch at the `rows` packed rows after this tile's `tile_rows`, if there are
+    /// any (`rows == 0`: none).
+    pub fn prefetch_rows(&mut self, tile_rows: usize, rows: usize) {
+        if rows > 0 {
+            self.next = self.w.wrapping_add(tile_rows * self.row_bytes);
+            self.next_bytes = rows * self.row_bytes;
+        }
+    }
+
+    /// The prefetch of the next tile's rows over the `n` steps of this one.
+    pub fn prefetcher(&self, n: usize) -> Prefetcher {
+        Prefetcher::new(self.next, self.next_bytes, n)
+    }
 }
 
 /// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` with `x` quantized per 32-block.
@@ -477,6 +499,8 @@ fn rows_tokens(qs: QSimd, act: &QAct, w: &QMat, r0: usize, r1: usize, t0: usize,
         d: act.d[t * nb..].as_ptr(),
         s4: act.s4[t * w.kp / 4..].as_ptr(),
         kp: w.kp,
+        next: std::ptr::null(),
+        next_bytes: 0,
     };
     let ld = r1 - r0;
     match qs {

@@ -1,0 +1,192 @@
+//! AVX-512 BF16 small-batch matmul (x86-64): bf16 weights times bf16-valued activations with
+//! `vdpbf16ps`, for decode and batches below 16 tokens on CPUs with AVX512_BF16 (Sapphire Rapids
+//! and later, Zen 4 and later).
+//!
+//! Each `vdpbf16ps` multiplies 32 bf16 weights of a row by 32 bf16 activations of a token and
+//! adds the 16 pair sums into 16 f32 lanes, so the weights need no conversion and no repack:
+//! rows are read in place, four (one token) or eight at a time, every weight byte streamed once
+//! per call while the next rows are prefetched ([`super::Prefetcher`]); tokens go in blocks of up
+//! to four over the same rows (those rows are then in L1).
+//!
+//! Precision: a product of two bf16 values is exact in f32, and the sums are f32, as in the
+//! float GEMV; only the summation order differs (and inputs below 2^-126 count as zero, which
+//! the instruction does: no bf16 activation or weight of a real checkpoint is that small).
+//! The activations must hold bf16 values (the graph rounds them when the output rounding is
+//! bf16); they are converted to bf16 bits once per call.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use spark_core::DType;
+
+use super::{Prefetcher, SharedOut};
+
+/// bf16 values per step (one 64-byte register).
+const KS: usize = 32;
+
+/// Whether this CPU has AVX512F, AVX512BW and AVX512_BF16 (cached).
+pub fn available() -> bool {
+    static A: OnceLock<bool> = OnceLock::new();
+    *A.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
+    })
+}
+
+/// `x` (`[n, k]`, bf16 values held in f32) as bf16 bits, each row padded to a multiple of
+/// [`KS`] with zeros.
+fn pack_activations(x: &[f32], n: usize, k: usize) -> (Vec<u16>, usize) {
+    let kp = k.div_ceil(KS) * KS;
+    let mut xb = vec![0u16; n * kp];
+    for (dst, src) in xb.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
+        for (d, &v) in dst.iter_mut().zip(src) {
+            *d = (spark_core::dtype::round_bf16(v).to_bits() >> 16) as u16;
+        }
+    }
+    (xb, kp)
+}
+
+/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for bf16 `w` `[m, k]` and `n` tokens, rows
+/// split across the rayon pool.
+///
+/// # Safety
+/// [`available`] returned true.
+pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &mut [f32], round: DType) {
+    use rayon::prelude::*;
+    assert_eq!(x.len(), n * k, "bf16 matmul: x has the wrong size");
+    assert_eq!(w.len(), m * k, "bf16 matmul: w has the wrong size");
+    assert_eq!(out.len(), n * m, "bf16 matmul: out has the wrong size");
+    if n == 0 || m == 0 {
+        return;
+    }
+    let (xb, kp) = pack_activations(x, n, k);
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+    let outp = SharedOut(out.as_mut_ptr());
+    (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let (r0, r1) = (c * chunk, (c * chunk + chunk).min(m));
+        // SAFETY: available() (caller); rows r0..r1 lie in w; xb holds n rows of kp; this task
+        // alone writes rows r0..r1 of every token.
+        unsafe { rows(&xb, kp, n, w, k, r0, r1, outp, m, round) };
+    });
+}
+
+/// Rows `r0..r1` for all `n` tokens into `out[t*m + r]`.
+///
+/// # Safety
+/// AVX512F/BW/BF16; `w` holds rows `r0..r1` of `k`; `xb` holds `n` rows of `kp >= k` (multiple
+/// of [`KS`], zero padded); `out` cells `t*m + r` for these rows are this caller's alone.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows(
+    xb: &[u16],
+    kp: usize,
+    n: usize,
+    w: &[u16],
+    k: usize,
+    r0: usize,
+    r1: usize,
+    out: SharedOut,
+    m: usize,
+    round: DType,
+) {
+    let mut r = r0;
+    while r < r1 {
+        // One token: eight rows (eight independent sums in flight); more: four rows x four tokens.
+        let nr = match (n, r1 - r) {
+            (1, left) if left >= 8 => 8,
+            (_, left) if left >= 4 => 4,
+            _ => 1,
+        };
+        let mut t = 0;
+        while t < n {
+            let nt = (n - t).min(4);
+            // While the first token block streams these rows from memory, the next rows stream
+            // in (later blocks find these rows in L1).
+            let pf = if t == 0 {
+                let next = (r1 - r - nr).min(nr);
+                Prefetcher::new(w.as_ptr().wrapping_add((r + nr) * k) as *const u8, 2 * next * k, k.div_ceil(KS))
+            } else {
+                Prefetcher::none()
+            };
+            let args = Tile { w: w.as_ptr().add(r * k), k, x: xb.as_ptr().add(t * kp), kp, pf };
+            macro_rules! go {
+                ($r:literal, $t:literal) => {{
+                    let o = tile::<$r, $t>(&args);
+                    for (j, row) in o.iter().enumerate() {
+                        for (i, &v) in row.iter().enumerate() {
+                            out.put((t + i) * m + r + j, round.round(v));
+                        }
+                    }
+                }};
+            }
+            match (nr, nt) {
+                (8, _) => go!(8, 1),
+                (4, 1) => go!(4, 1),
+                (4, 2) => go!(4, 2),
+                (4, 3) => go!(4, 3),
+                (4, _) => go!(4, 4),
+                (_, 1) => go!(1, 1),
+                (_, 2) => go!(1, 2),
+                (_, 3) => go!(1, 3),
+                (_, _) => go!(1, 4),
+            }
+            t += nt;
+        }
+        r += nr;
+    }
+}
+
+/// One register tile's operands.
+struct Tile {
+    /// The first row (rows `k` apart).
+    w: *const u16,
+    k: usize,
+    /// The first token's packed activations (tokens `kp` apart).
+    x: *const u16,
+    kp: usize,
+    pf: Prefetcher,
+}
+
+/// `R` rows x `T` tokens over all `k` columns (the last step masked).
+///
+/// # Safety
+/// AVX512F/BW/BF16; `a` describes `R` rows of `k` bf16 and `T` token rows of `kp` bf16.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile<const R: usize, const T: usize>(a: &Tile) -> [[f32; T]; R] {
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let steps = a.k.div_ceil(KS);
+    let full = a.k / KS;
+    for s in 0..steps {
+        a.pf.step(s);
+        let mut wv = [_mm512_setzero_si512(); R];
+        if s < full {
+            for r in 0..R {
+                wv[r] = _mm512_loadu_si512(a.w.add(r * a.k + s * KS) as *const _);
+            }
+        } else {
+            // The row tail: only the k % 32 valid bf16 (the activations' padding is zero too).
+            let mask: __mmask32 = (1u32 << (a.k % KS)) - 1;
+            for r in 0..R {
+                wv[r] = _mm512_maskz_loadu_epi16(mask, a.w.add(r * a.k + s * KS) as *const i16);
+            }
+        }
+        for t in 0..T {
+            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(a.x.add(t * a.kp + s * KS) as *const _));
+            for r in 0..R {
+                acc[r][t] = _mm512_dpbf16_ps(acc[r][t], std::mem::transmute::<__m512i, __m512bh>(wv[r]), xv);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+    out
+}
