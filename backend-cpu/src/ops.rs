@@ -5,7 +5,7 @@ use spark_core::config::GateAct;
 use spark_core::rope::RopeTable;
 use spark_core::DType;
 
-use crate::kernels::gelu_erf;
+use crate::kernels::Simd;
 
 /// `o = round(x * rsqrt(mean(x^2) + eps) * w)`, in f32.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, o: &mut [f32], round: DType) {
@@ -43,9 +43,7 @@ pub fn head_gate(a: &mut [f32], g: &[f32], act: GateAct, head_dim: usize, round:
     }
 }
 
-/// `o = round(round(gelu_erf(g)) * u)`.
+/// `o = round(round(gelu_erf(g)) * u)` (vectorized: [`crate::kernels::gelu`]).
 pub fn geglu(g: &[f32], u: &[f32], o: &mut [f32], round: DType) {
-    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-        *o = round.round(round.round(gelu_erf(g)) * u);
-    }
+    crate::kernels::gelu::geglu(Simd::detect(), g, u, o, round);
 }

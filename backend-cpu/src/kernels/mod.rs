@@ -15,11 +15,14 @@ pub mod amx;
 pub mod avx2;
 pub mod avx512;
 pub mod avx512bf16;
+pub mod gelu;
 pub mod matmul;
 pub mod portable;
 pub mod qavx2;
 pub mod qavx512;
 pub mod qmatmul;
+
+pub use gelu::gelu_erf;
 
 use std::sync::OnceLock;
 
@@ -253,10 +256,4 @@ pub fn axpy(simd: Simd, a: f32, w: Row<'_>, out: &mut [f32]) {
         Simd::Avx2 | Simd::Avx512 | Simd::Amx => unsafe { avx2::axpy(a, w, out) },
         Simd::Portable => portable::axpy(a, w, out),
     }
-}
-
-/// Exact-erf GELU, as `torch.nn.functional.gelu(x)` (approximate='none').
-#[inline]
-pub fn gelu_erf(x: f32) -> f32 {
-    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
 }
