@@ -203,12 +203,47 @@ impl QMat {
     }
 
     /// Columns `c0..c0 + out.len()` of row `r` dequantized as [`QMat::dequant_row`] does, then
-    /// rounded to bf16 (bits). `c0` and the length are multiples of 16 within `cols`.
+    /// rounded to bf16 (bits). `c0` and the length are multiples of 16 within `cols`. The same
+    /// operations at every SIMD level (a multiply, then an add, then the rounding), so the
+    /// results are identical; the wider levels only let the compiler vectorize the loop.
     pub fn dequant_bf16(&self, r: usize, c0: usize, out: &mut [u16]) {
         assert!(
             c0.is_multiple_of(16) && out.len().is_multiple_of(16) && c0 + out.len() <= self.cols,
             "dequant_bf16: range"
         );
+        #[cfg(target_arch = "x86_64")]
+        {
+            let simd = super::Simd::detect();
+            if simd >= super::Simd::Avx512 {
+                // SAFETY: Simd::Avx512 is only detected with AVX-512F present.
+                return unsafe { self.dequant_bf16_avx512(r, c0, out) };
+            }
+            if simd >= super::Simd::Avx2 {
+                // SAFETY: Simd::Avx2 is only detected with AVX2 present.
+                return unsafe { self.dequant_bf16_avx2(r, c0, out) };
+            }
+        }
+        self.dequant_bf16_body(r, c0, out)
+    }
+
+    /// # Safety
+    /// AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn dequant_bf16_avx512(&self, r: usize, c0: usize, out: &mut [u16]) {
+        self.dequant_bf16_body(r, c0, out)
+    }
+
+    /// # Safety
+    /// AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dequant_bf16_avx2(&self, r: usize, c0: usize, out: &mut [u16]) {
+        self.dequant_bf16_body(r, c0, out)
+    }
+
+    #[inline(always)]
+    fn dequant_bf16_body(&self, r: usize, c0: usize, out: &mut [u16]) {
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
         let s = &self.scales[r * self.ng..(r + 1) * self.ng];
         let b = self.bias.as_ref().map(|b| &b[r * self.ng..(r + 1) * self.ng]);
@@ -216,22 +251,22 @@ impl QMat {
             let c = c0 + hi * 16;
             let g = self.sidx[c / 16] as usize;
             let (sg, bg) = (s[g], b.map_or(0.0, |b| b[g]));
-            let mut q = [0i32; 16];
+            let mut q = [0.0f32; 16];
             match self.format {
                 QFormat::I8 => {
                     for (q, &v) in q.iter_mut().zip(&row[c..c + 16]) {
-                        *q = v as i8 as i32;
+                        *q = v as i8 as f32;
                     }
                 }
                 QFormat::I4 => {
-                    let (base, high) = ((c / QCHUNK) * 32 + c % 32, c % QCHUNK >= 32);
+                    let (base, shift) = ((c / QCHUNK) * 32 + c % 32, if c % QCHUNK >= 32 { 4 } else { 0 });
                     for (q, &v) in q.iter_mut().zip(&row[base..base + 16]) {
-                        *q = (if high { v >> 4 } else { v & 0xF }) as i32 - 8;
+                        *q = (((v >> shift) & 0xF) as i32 - 8) as f32;
                     }
                 }
             }
             for (o, &q) in o16.iter_mut().zip(&q) {
-                *o = (spark_core::dtype::round_bf16(sg * q as f32 + bg).to_bits() >> 16) as u16;
+                *o = (spark_core::dtype::round_bf16(sg * q + bg).to_bits() >> 16) as u16;
             }
         }
     }
