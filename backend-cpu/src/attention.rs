@@ -225,7 +225,14 @@ struct Scratch {
     scores: Vec<f32>,
     /// `[row][head_dim]` accumulators.
     acc: Vec<f32>,
+    /// `[KV_TILE][head_dim]` keys or values as f32 (the AVX-512 loops).
+    tile: Vec<f32>,
+    /// `[KV_TILE]` one row's scores in a tile.
+    dots: Vec<f32>,
 }
+
+/// Key / value rows per tile of the AVX-512 loops (32 KiB of f32 at head_dim 128).
+const KV_TILE: usize = 64;
 
 #[allow(clippy::too_many_arguments)]
 #[inline(never)]
@@ -269,24 +276,65 @@ fn attend_block(
         }
     };
     let query = |i: usize, h: usize| &qkv.data[(chunk.row + i) * qkv.cols + h * d..][..d];
-    scratch.scores.clear();
-    scratch.scores.resize(nrows * span, 0.0);
+    let Scratch { scores, acc, tile, dots } = scratch;
+    scores.clear();
+    scores.resize(nrows * span, 0.0);
+    // AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
+    let wide = cfg!(target_arch = "x86_64") && simd >= Simd::Avx512 && d.is_multiple_of(32);
+    if wide {
+        tile.resize(KV_TILE * d, 0.0);
+        dots.resize(KV_TILE, 0.0);
+    }
+    // The positions of row `i` inside tile `t0..=t1`, if any.
+    let range = |i: usize, t0: usize, t1: usize| {
+        let (a, z) = (lo_of(i).max(t0), pos_of(i).min(t1));
+        (a <= z).then_some((a, z))
+    };
     // Pass 1: scores, each key row read once for the whole block.
     let sees = |i: usize, pos: usize| (lo_of(i)..=pos_of(i)).contains(&pos);
-    for pos in lo..=hi {
-        let k = key(pos);
-        b.each_row(|i, h, r| {
-            if sees(i, pos) {
-                scratch.scores[r * span + pos - lo] = round.round(round.round(dot(simd, query(i, h), k)) * shape.scale);
+    if wide {
+        #[cfg(target_arch = "x86_64")]
+        for t0 in (lo..=hi).step_by(KV_TILE) {
+            let t1 = (t0 + KV_TILE - 1).min(hi);
+            for (j, pos) in (t0..=t1).enumerate() {
+                key(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
             }
-        });
+            b.each_row(|i, h, r| {
+                if let Some((a, z)) = range(i, t0, t1) {
+                    let q = query(i, h);
+                    // SAFETY: Simd::Avx512 implies AVX-512F, AVX2 and FMA; d % 32 == 0; the tile
+                    // holds rows a - t0 ..= z - t0 of d values; dots holds KV_TILE >= z - a + 1.
+                    unsafe {
+                        crate::kernels::attn_avx512::dots(
+                            q.as_ptr(),
+                            tile[(a - t0) * d..].as_ptr(),
+                            z - a + 1,
+                            d,
+                            dots.as_mut_ptr(),
+                        )
+                    };
+                    for (j, &s) in dots[..z - a + 1].iter().enumerate() {
+                        scores[r * span + a - lo + j] = round.round(round.round(s) * shape.scale);
+                    }
+                }
+            });
+        }
+    } else {
+        for pos in lo..=hi {
+            let k = key(pos);
+            b.each_row(|i, h, r| {
+                if sees(i, pos) {
+                    scores[r * span + pos - lo] = round.round(round.round(dot(simd, query(i, h), k)) * shape.scale);
+                }
+            });
+        }
     }
     // Pass 2: softmax per row over its own keys, probabilities rounded to the activation type.
     for i in b.i0..b.i1 {
         let (a, z) = (lo_of(i) - lo, pos_of(i) - lo + 1);
         for h in b.h0..b.h1 {
             let r = (i - b.i0) * nh + (h - b.h0);
-            let s = &mut scratch.scores[r * span + a..r * span + z];
+            let s = &mut scores[r * span + a..r * span + z];
             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f32;
             for v in s.iter_mut() {
@@ -300,15 +348,41 @@ fn attend_block(
         }
     }
     // Pass 3: `sum_j p_j v_j`, each value row read once for the whole block.
-    scratch.acc.clear();
-    scratch.acc.resize(nrows * d, 0.0);
-    for pos in lo..=hi {
-        let v = value(pos);
-        b.each_row(|i, _, r| {
-            if sees(i, pos) {
-                axpy(simd, scratch.scores[r * span + pos - lo], v, &mut scratch.acc[r * d..(r + 1) * d]);
+    acc.clear();
+    acc.resize(nrows * d, 0.0);
+    if wide {
+        #[cfg(target_arch = "x86_64")]
+        for t0 in (lo..=hi).step_by(KV_TILE) {
+            let t1 = (t0 + KV_TILE - 1).min(hi);
+            for (j, pos) in (t0..=t1).enumerate() {
+                value(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
             }
-        });
+            b.each_row(|i, _, r| {
+                if let Some((a, z)) = range(i, t0, t1) {
+                    // SAFETY: Simd::Avx512 implies AVX-512F; d % 16 == 0; scores holds row r's
+                    // probabilities for positions a..=z, the tile rows a - t0 ..= z - t0, acc
+                    // row r d values.
+                    unsafe {
+                        crate::kernels::attn_avx512::weighted_sum(
+                            scores[r * span + a - lo..].as_ptr(),
+                            tile[(a - t0) * d..].as_ptr(),
+                            z - a + 1,
+                            d,
+                            acc[r * d..(r + 1) * d].as_mut_ptr(),
+                        )
+                    };
+                }
+            });
+        }
+    } else {
+        for pos in lo..=hi {
+            let v = value(pos);
+            b.each_row(|i, _, r| {
+                if sees(i, pos) {
+                    axpy(simd, scores[r * span + pos - lo], v, &mut acc[r * d..(r + 1) * d]);
+                }
+            });
+        }
     }
     for i in b.i0..b.i1 {
         for h in b.h0..b.h1 {
@@ -316,8 +390,60 @@ fn attend_block(
             // SAFETY: this task alone owns out[chunk.row + i][h*d..(h+1)*d] (tasks split queries
             // and heads disjointly), and the row is inside `out` (asserted by `attend`).
             let o = unsafe { std::slice::from_raw_parts_mut(outp.get().add((chunk.row + i) * ocols + h * d), d) };
-            for (o, &a) in o.iter_mut().zip(&scratch.acc[r * d..(r + 1) * d]) {
+            for (o, &a) in o.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
                 *o = round.round(a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX-512 tile loops give the AVX2 one-row loops' bits exactly: f32 and bf16 caches,
+    /// sliding and full layers, chunks that start inside the cache and span several tiles.
+    #[test]
+    fn avx512_tiles_match_the_avx2_rows_bit_for_bit() {
+        if Simd::detect() < Simd::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        let mut seed = 7u32;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for (d, window, dtype) in
+            [(64, None, DType::F32), (64, Some(37), DType::BF16), (256, None, DType::BF16), (96, Some(100), DType::F32)]
+        {
+            let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: d, window, scale: 1.0 / (d as f32).sqrt() };
+            let kind = match window {
+                Some(w) => KvKind::Ring { window: w },
+                None => KvKind::Grow { max: 4096 },
+            };
+            let mut kv = CpuKv::new(KvSpec { kind, kv_heads: 2, head_dim: d, dtype });
+            let cols = (4 + 2 * 2) * d;
+            // Three chunks: a long prefill, a second chunk over the cache, one decode token.
+            let mut start = 0;
+            for len in [150, 70, 1] {
+                let mut qkv = CpuTensor { rows: len, cols, data: (0..len * cols).map(|_| rnd()).collect() };
+                if dtype == DType::BF16 {
+                    qkv.data.iter_mut().for_each(|v| *v = spark_core::dtype::round_bf16(*v));
+                }
+                let chunk = AttnChunk { row: 0, len, start_pos: start };
+                let mut outs = Vec::new();
+                for simd in [Simd::Avx2, Simd::Avx512] {
+                    let mut out = CpuTensor { rows: len, cols: 4 * d, data: vec![0.0; len * 4 * d] };
+                    pool.install(|| attend(simd, &qkv, chunk, shape, &kv, &mut out, dtype));
+                    outs.push(out.data);
+                }
+                let same = outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "d={d} window={window:?} {dtype:?} chunk at {start}+{len}: the paths differ");
+                assert!(outs[0].iter().all(|v| v.is_finite()) && outs[0].iter().any(|&v| v != 0.0));
+                kv.append(&qkv, chunk, shape).unwrap();
+                start += len;
             }
         }
     }

@@ -20,8 +20,12 @@ unsafe fn load8(w: Row<'_>, i: usize) -> __m256 {
     }
 }
 
+/// The sum of the 8 lanes of `v` (the order every AVX2 dot product here uses).
+///
+/// # Safety
+/// AVX (the caller's target features).
 #[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps(v, 1);
     let s = _mm_add_ps(lo, hi);

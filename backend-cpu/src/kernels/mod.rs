@@ -3,15 +3,18 @@
 //! [`Simd::detect`] picks AMX-BF16, AVX-512F or AVX2+FMA(+F16C) when the processor has them, else
 //! the portable path.
 //! `SPARK_CPU_SIMD=portable`, `=avx2` or `=avx512` caps the level (tests compare the paths).
-//! AVX-512F only changes the prefill micro-kernel; AMX only the matmuls whose activations are
-//! bf16: bf16 weights from two tokens, int8/int4 weights (dequantized into bf16 tiles) from 32
-//! ([`amx`]); everything else runs the AVX2 code.
+//! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 the
+//! bf16 matmuls of a few tokens with bf16 activations ([`avx512bf16`], `vdpbf16ps`); AMX the
+//! matmuls whose activations are bf16: bf16 weights from five tokens (two without AVX512_BF16),
+//! int8/int4 weights (dequantized into bf16 tiles) from 32 ([`amx`]); everything else runs the
+//! AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AVX-512 VNNI (with
 //! AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=avx512` caps it below VNNI
 //! (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and `=portable` as above.
 
 pub mod amx;
+pub mod attn_avx512;
 pub mod avx2;
 pub mod avx512;
 pub mod avx512bf16;
@@ -220,6 +223,22 @@ impl Row<'_> {
             Row::F32(r) => Row::F32(&r[start..start + len]),
             Row::BF16(r) => Row::BF16(&r[start..start + len]),
             Row::F16(r) => Row::F16(&r[start..start + len]),
+        }
+    }
+    /// The row as f32 into `out` (`len` long; exact for every storage type).
+    pub fn to_f32(&self, out: &mut [f32]) {
+        match self {
+            Row::F32(r) => out.copy_from_slice(r),
+            Row::BF16(r) => {
+                for (o, &b) in out.iter_mut().zip(r.iter()) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+            Row::F16(r) => {
+                for (o, &b) in out.iter_mut().zip(r.iter()) {
+                    *o = half::f16::from_bits(b).to_f32();
+                }
+            }
         }
     }
     /// Element `i` as f32.
