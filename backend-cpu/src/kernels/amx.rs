@@ -27,7 +27,7 @@
 #![cfg(target_arch = "x86_64")]
 
 use std::arch::asm;
-use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -174,6 +174,19 @@ fn pack_weights(w: Weights<'_>, k: usize, rb: usize, valid: usize, s0: usize, ns
                 apack[(a * ns + s) * TILE_U16 + i * 32..][..32].fill(0);
             }
         }
+    }
+}
+
+/// Prefetch into L2 the stored weights of row `r`, k steps `s0..s0 + ns` (what
+/// [`pack_weights`] will read).
+fn prefetch_slice_row(w: Weights<'_>, k: usize, r: usize, s0: usize, ns: usize) {
+    let bytes: &[u8] = match w {
+        Weights::Bf16(w) => bytemuck::cast_slice(&w[r * k + s0 * KS..][..ns * KS]),
+        Weights::Quant(q) => q.row_columns(r, s0 * KS, ns * KS),
+    };
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch never faults; the address is inside `bytes`.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) };
     }
 }
 
@@ -364,13 +377,30 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
                 let rb = r0 + rbi * MB;
                 let valid = MB.min(r1 - rb);
                 // Few token blocks use each weight slice at most twice: read full row blocks in place.
-                let (w0, w1, a_step, a_stride) = if let (Weights::Bf16(w), true) = (w, tpairs <= 2 && valid == MB) {
+                let in_place = matches!(w, Weights::Bf16(_)) && tpairs <= 2 && valid == MB;
+                let (w0, w1, a_step, a_stride) = if let (Weights::Bf16(w), true) = (w, in_place) {
                     (w[rb * k + s0 * KS..].as_ptr(), w[(rb + 16) * k + s0 * KS..].as_ptr(), KS, 2 * k)
                 } else {
                     pack_weights(w, k, rb, valid, s0, ns, &mut apack);
                     (apack.as_ptr(), apack[ns * TILE_U16..].as_ptr(), TILE_U16, 64)
                 };
+                // The next slice to pack (the next row block, or the first one of the next k
+                // slice) streams into L2 while this one computes, a share per token pair.
+                let next = if in_place {
+                    None
+                } else if rbi + 1 < rblocks {
+                    Some((rb + MB, s0))
+                } else {
+                    (s0 + KC_STEPS < ksteps).then_some((r0, s0 + KC_STEPS))
+                };
                 for tp in 0..tpairs {
+                    if let Some((nrb, ns0)) = next {
+                        let rows = MB.min(r1 - nrb);
+                        let nsteps = KC_STEPS.min(ksteps - ns0);
+                        for r in nrb + tp * rows / tpairs..nrb + (tp + 1) * rows / tpairs {
+                            prefetch_slice_row(w, k, r, ns0, nsteps);
+                        }
+                    }
                     let tb = 2 * tp;
                     let b0 = xp[(tb * ksteps + s0) * TILE_U16..].as_ptr();
                     let b1 = if tb + 1 < tblocks { xp[((tb + 1) * ksteps + s0) * TILE_U16..].as_ptr() } else { b0 };

@@ -184,6 +184,17 @@ impl QMat {
         &self.sidx
     }
 
+    /// The packed bytes of row `r` that hold columns `c0..c0 + n` (`c0` a multiple of
+    /// [`QCHUNK`], the range inside the padded row).
+    pub fn row_columns(&self, r: usize, c0: usize, n: usize) -> &[u8] {
+        assert!(c0.is_multiple_of(QCHUNK) && c0 + n <= self.kp, "row_columns: range");
+        let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
+        match self.format {
+            QFormat::I8 => &row[c0..c0 + n],
+            QFormat::I4 => &row[c0 / 2..(c0 + n).div_ceil(2)],
+        }
+    }
+
     /// Bytes held (values, scales, biases, table).
     pub fn nbytes(&self) -> usize {
         self.data.len() + 4 * (self.scales.len() + self.bias.as_ref().map_or(0, |b| b.len()) + self.sidx.len())
