@@ -231,6 +231,25 @@ struct Scratch {
     dots: Vec<f32>,
 }
 
+/// Calls `f(t0, t1, tile)` for each tile `t0..=t1` of at most [`KV_TILE`] positions in
+/// `lo..=hi`, with `tile` holding `row(pos)` as f32 (`d` apart) for the tile's positions.
+fn for_tiles<'a>(
+    lo: usize,
+    hi: usize,
+    d: usize,
+    tile: &mut [f32],
+    row: impl Fn(usize) -> Row<'a>,
+    mut f: impl FnMut(usize, usize, &[f32]),
+) {
+    for t0 in (lo..=hi).step_by(KV_TILE) {
+        let t1 = (t0 + KV_TILE - 1).min(hi);
+        for (j, pos) in (t0..=t1).enumerate() {
+            row(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
+        }
+        f(t0, t1, tile);
+    }
+}
+
 /// Key / value rows per tile of the AVX-512 loops (32 KiB of f32 at head_dim 128).
 const KV_TILE: usize = 64;
 
@@ -294,11 +313,7 @@ fn attend_block(
     let sees = |i: usize, pos: usize| (lo_of(i)..=pos_of(i)).contains(&pos);
     if wide {
         #[cfg(target_arch = "x86_64")]
-        for t0 in (lo..=hi).step_by(KV_TILE) {
-            let t1 = (t0 + KV_TILE - 1).min(hi);
-            for (j, pos) in (t0..=t1).enumerate() {
-                key(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
-            }
+        for_tiles(lo, hi, d, tile, key, |t0, t1, tile| {
             b.each_row(|i, h, r| {
                 if let Some((a, z)) = range(i, t0, t1) {
                     let q = query(i, h);
@@ -318,7 +333,7 @@ fn attend_block(
                     }
                 }
             });
-        }
+        });
     } else {
         for pos in lo..=hi {
             let k = key(pos);
@@ -352,11 +367,7 @@ fn attend_block(
     acc.resize(nrows * d, 0.0);
     if wide {
         #[cfg(target_arch = "x86_64")]
-        for t0 in (lo..=hi).step_by(KV_TILE) {
-            let t1 = (t0 + KV_TILE - 1).min(hi);
-            for (j, pos) in (t0..=t1).enumerate() {
-                value(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
-            }
+        for_tiles(lo, hi, d, tile, value, |t0, t1, tile| {
             b.each_row(|i, _, r| {
                 if let Some((a, z)) = range(i, t0, t1) {
                     // SAFETY: Simd::Avx512 implies AVX-512F; d % 16 == 0; scores holds row r's
@@ -373,7 +384,7 @@ fn attend_block(
                     };
                 }
             });
-        }
+        });
     } else {
         for pos in lo..=hi {
             let v = value(pos);
