@@ -130,6 +130,32 @@ impl QSimd {
     }
 }
 
+/// Runs `$go!(R, T)` for a register tile of `$nr` rows and `$nt` tokens (1 to 4), turning the
+/// run-time tile shape into a kernel's const generics. `@rows4`: rows 4 or 1; otherwise 8 rows
+/// (one token only) as well.
+macro_rules! tile_shape {
+    (@rows4 $nr:expr, $nt:expr, $go:ident) => {
+        match ($nr, $nt) {
+            (4, 1) => $go!(4, 1),
+            (4, 2) => $go!(4, 2),
+            (4, 3) => $go!(4, 3),
+            (4, _) => $go!(4, 4),
+            (_, 1) => $go!(1, 1),
+            (_, 2) => $go!(1, 2),
+            (_, 3) => $go!(1, 3),
+            (_, _) => $go!(1, 4),
+        }
+    };
+    ($nr:expr, $nt:expr, $go:ident) => {
+        if $nr == 8 {
+            $go!(8, 1)
+        } else {
+            $crate::kernels::tile_shape!(@rows4 $nr, $nt, $go)
+        }
+    };
+}
+pub(crate) use tile_shape;
+
 /// Streams the rows the next tile of a GEMV will read into L2 while the current tile runs, one
 /// slice per step of it. A tile's rows are a few KiB each: runs too short for the hardware
 /// prefetcher to keep a decode GEMV at the memory's pace on its own (measured: +15-25 % decode

@@ -231,16 +231,7 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
                     }
                 }};
             }
-            match (nr, tt) {
-                (4, 1) => go!(4, 1),
-                (4, 2) => go!(4, 2),
-                (4, 3) => go!(4, 3),
-                (4, _) => go!(4, 4),
-                (_, 1) => go!(1, 1),
-                (_, 2) => go!(1, 2),
-                (_, 3) => go!(1, 3),
-                (_, _) => go!(1, 4),
-            }
+            super::tile_shape!(@rows4 nr, tt, go);
             t += tt;
         }
         r += nr;
