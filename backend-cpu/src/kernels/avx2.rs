@@ -174,12 +174,6 @@ impl Elem for F16 {
     }
 }
 
-/// A prefetcher for `rows` rows of `k` elements from row `r` of `wp`, over `steps` steps.
-#[inline(always)]
-fn next_rows<E>(wp: *const E, k: usize, r: usize, rows: usize, steps: usize) -> Prefetcher {
-    Prefetcher::new(wp.wrapping_add(r * k) as *const u8, rows * k * std::mem::size_of::<E>(), steps)
-}
-
 /// GEMV rows `r0..r1`: `out[r - r0] = x . w[r]`, four rows at a time with two accumulators
 /// each, every weight element read once (decode is bound by this stream).
 ///
@@ -195,7 +189,7 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
     while r + 4 <= r1 {
         let rows = [wp.add(r * k), wp.add((r + 1) * k), wp.add((r + 2) * k), wp.add((r + 3) * k)];
         // The next four rows (if inside the range) stream into L2 meanwhile.
-        let pf = next_rows(wp, k, r + 4, (r1 - r - 4).min(4), body / 16);
+        let pf = Prefetcher::rows(wp as *const u8, k * size_of::<E>(), r + 4, (r1 - r - 4).min(4), body / 16);
         let mut a = [_mm256_setzero_ps(); 8];
         let mut i = 0;
         while i < body {
@@ -353,7 +347,7 @@ pub unsafe fn gemv_multi<E: Elem, const T: usize>(
         let nr = if r + 2 <= r1 { 2 } else { 1 };
         let rows = [wp.add(r * k), wp.add((r + nr - 1) * k)];
         // The next two rows stream into L2 meanwhile, as in [`gemv`].
-        let pf = next_rows(wp, k, r + nr, (r1 - r - nr).min(2), body / 8);
+        let pf = Prefetcher::rows(wp as *const u8, k * size_of::<E>(), r + nr, (r1 - r - nr).min(2), body / 8);
         let mut a = [[_mm256_setzero_ps(); T]; 2];
         let mut i = 0;
         while i < body {

@@ -107,8 +107,7 @@ unsafe fn rows(
             // While the first token block streams these rows from memory, the next rows stream
             // in (later blocks find these rows in L1).
             let pf = if t == 0 {
-                let next = (r1 - r - nr).min(nr);
-                Prefetcher::new(w.as_ptr().wrapping_add((r + nr) * k) as *const u8, 2 * next * k, k.div_ceil(KS))
+                Prefetcher::rows(w.as_ptr() as *const u8, 2 * k, r + nr, (r1 - r - nr).min(nr), k.div_ceil(KS))
             } else {
                 Prefetcher::none()
             };

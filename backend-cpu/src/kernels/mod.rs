@@ -182,6 +182,12 @@ impl Prefetcher {
         Prefetcher { next, step: bytes.div_ceil(steps) }
     }
 
+    /// `rows` rows of `row_bytes` bytes from row `first` of the matrix at `base` (rows past
+    /// `first` that the caller has checked exist) over `steps` steps.
+    pub(crate) fn rows(base: *const u8, row_bytes: usize, first: usize, rows: usize, steps: usize) -> Prefetcher {
+        Prefetcher::new(base.wrapping_add(first * row_bytes), rows * row_bytes, steps)
+    }
+
     /// Prefetch slice `i` into L2.
     ///
     /// # Safety

@@ -114,7 +114,7 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
     let ones = _mm256_set1_epi16(1);
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let pf = a.prefetcher(nb);
+    let pf = a.prefetcher(R, nb);
     for b in 0..nb {
         pf.step(b);
         let mut wu = [_mm256_setzero_si256(); R];
@@ -208,7 +208,7 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
                 // The last token tile over these rows: fetch the next rows meanwhile.
-                a.prefetch_rows(nr, (r1 - r - nr).min(nr));
+                a.next_rows = (r1 - r - nr).min(nr);
             }
             let base = t * ld + r - r0;
             macro_rules! go {

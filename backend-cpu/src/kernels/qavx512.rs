@@ -131,7 +131,7 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
     let nb = a.kp / QBLOCK;
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let pf = a.prefetcher(nc);
+    let pf = a.prefetcher(R, nc);
     for c in 0..nc {
         pf.step(c);
         let mut wv = [_mm512_setzero_si512(); R];
@@ -218,7 +218,7 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
                 // The last token tile over these rows: fetch the next rows meanwhile.
-                a.prefetch_rows(nr, (r1 - r - nr).min(nr));
+                a.next_rows = (r1 - r - nr).min(nr);
             }
             let base = t * ld + r - r0;
             macro_rules! go {

@@ -444,27 +444,15 @@ pub(crate) struct TileArgs<'a> {
     /// The token tile's 4-column sums (`kp / 4` apart).
     pub s4: *const i32,
     pub kp: usize,
-    /// The packed rows the next tile will read (`next_bytes` from here, inside `w`'s buffer),
-    /// prefetched a slice per step while this tile runs; `next_bytes == 0` for none. A tile's
-    /// rows are a few KiB each, runs too short for the hardware prefetcher to keep a decode
-    /// GEMV at the memory's pace on its own.
-    pub next: *const u8,
-    pub next_bytes: usize,
+    /// How many packed rows after the tile's own (they exist in `w`) to prefetch while it runs
+    /// (0: none); see [`super::Prefetcher`].
+    pub next_rows: usize,
 }
 
 impl TileArgs<'_> {
-    /// Point the prefetch at the `rows` packed rows after this tile's `tile_rows`, if there are
-    /// any (`rows == 0`: none).
-    pub fn prefetch_rows(&mut self, tile_rows: usize, rows: usize) {
-        if rows > 0 {
-            self.next = self.w.wrapping_add(tile_rows * self.row_bytes);
-            self.next_bytes = rows * self.row_bytes;
-        }
-    }
-
-    /// The prefetch of the next tile's rows over the `n` steps of this one.
-    pub fn prefetcher(&self, n: usize) -> Prefetcher {
-        Prefetcher::new(self.next, self.next_bytes, n)
+    /// The prefetch of the `next_rows` rows after this tile's `tile_rows`, over its `n` steps.
+    pub fn prefetcher(&self, tile_rows: usize, n: usize) -> Prefetcher {
+        Prefetcher::rows(self.w, self.row_bytes, tile_rows, self.next_rows, n)
     }
 }
 
@@ -545,8 +533,7 @@ fn rows_tokens(qs: QSimd, act: &QAct, w: &QMat, r0: usize, r1: usize, t0: usize,
         d: act.d[t * nb..].as_ptr(),
         s4: act.s4[t * w.kp / 4..].as_ptr(),
         kp: w.kp,
-        next: std::ptr::null(),
-        next_bytes: 0,
+        next_rows: 0,
     };
     let ld = r1 - r0;
     match qs {
