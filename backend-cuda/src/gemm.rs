@@ -59,6 +59,7 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
             (xb, bsys::cudaDataType::CUDA_R_16BF)
         }
     };
+    let t0 = crate::profile::start(&b.stream);
     // SAFETY: the handle is bound to this backend's stream; W is `[m, k]` (m*k elements of
     // `ab_type`), x (or its bf16 copy, which `s` keeps alive and unchanged until the stream has
     // run this GEMM: every user of the scratch is on the same stream) is `[n, k]`, out is
@@ -87,6 +88,7 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
         )
     }
     .map_err(|e| err(&format!("cublasGemmEx [{n}, {k}] x [{m}, {k}]^T"), e))?;
+    crate::profile::end(&b.stream, t0, || format!("cublas {:?} n={n} k={k} m={m}", w.dtype));
     if crate::kernels::debug_sync() {
         b.stream.synchronize().map_err(|e| err("running cublasGemmEx (SPARK_CUDA_DEBUG_SYNC)", e))?;
     }

@@ -174,11 +174,13 @@ pub fn launch(stream: &Arc<CudaStream>, f: &CudaFunction, what: &str, c: LaunchC
     for s in &slots {
         b.arg(s);
     }
+    let t0 = crate::profile::start(stream);
     // SAFETY: the callers pass, in order, one argument per parameter of the kernel named `what`
     // (each signature is written next to its call in lib.rs), with device pointers to live
     // buffers of the sizes the kernel indexes (checked by the callers' shape checks); each value
     // is read by the driver from its 64-bit slot, alive until `launch` returns.
     unsafe { b.launch(c) }.map(|_| ()).map_err(|e| err(&format!("launching {what}"), e))?;
+    crate::profile::end(stream, t0, || format!("{what} [{}x{}]", c.grid_dim.0, c.grid_dim.1));
     if debug_sync() {
         stream.synchronize().map_err(|e| err(&format!("running {what} (SPARK_CUDA_DEBUG_SYNC)"), e))?;
     }

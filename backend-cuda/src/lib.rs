@@ -13,12 +13,14 @@
 //!   kernel where cuBLAS is missing.
 //! - [`kv`]: the K/V cache in device memory (ring for sliding layers, growing for full).
 //! - [`plugin`]: the backend as a factory, exported as the `spark_backend_v1` plugin entry.
+//! - [`profile`]: `SPARK_CUDA_PROFILE=1`, GPU time per kernel and GEMM shape.
 
 pub mod device;
 pub mod gemm;
 pub mod kernels;
 pub mod kv;
 pub mod plugin;
+pub mod profile;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -624,6 +626,14 @@ impl Backend for CudaBackend {
         }
         self.stream.memcpy_dtoh(&x.buf.slice(0..n), out).map_err(|e| err("reading results", e))?;
         self.stream.synchronize().map_err(|e| err("running the step", e))?;
-        self.ctx.check_err().map_err(|e| err("an earlier asynchronous operation", e))
+        self.ctx.check_err().map_err(|e| err("an earlier asynchronous operation", e))?;
+        profile::collect();
+        Ok(())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        profile::report();
     }
 }

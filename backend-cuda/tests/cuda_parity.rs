@@ -19,8 +19,9 @@ use spark_tests::*;
 const F32_TOL: f32 = 1e-4;
 /// bf16 tolerance: as backend-cpu's golden test states it (the same rounding points, a different
 /// accumulation order: one bf16 ulp of a logit in [1, 2) is 7.8e-3): at most two such ulps
-/// anywhere, and a mean absolute difference below 1.5e-3; greedy ids exactly the reference's.
-const BF16_TOL: Bf16Tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_exact: true };
+/// anywhere, and a mean absolute difference below 1.5e-3; greedy ids the reference's except at
+/// near-ties (where the reference ranks our id within one bf16 ulp of its top, `GREEDY_TIE`).
+const BF16_TOL: Bf16Tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_up_to_ties: true };
 
 /// The backend on device 0, or None (with the visible skip line) where there is none usable.
 fn backend(cublas: bool) -> Option<CudaBackend> {

@@ -261,6 +261,9 @@ pub struct Bf16Report {
     pub mean: f32,
     /// Greedy ids (from our step logits) that differ from the reference's.
     pub greedy_disagree: usize,
+    /// Where they differ, the largest gap in the reference's own logits between its top id and
+    /// ours (0 when every id agrees): small gaps are near-ties that one rounding can flip.
+    pub greedy_worst_gap: f32,
 }
 
 /// Measures `m` against the `bf16.` outputs of `gold` on every prompt, printing the greedy
@@ -282,12 +285,29 @@ pub fn bf16_report(m: &mut dyn Executor, gold: &Golden, label: &str) -> Bf16Repo
         let greedy = &gold[&format!("{p}.bf16.greedy_ids")].ids;
         let steps = step_logits(m, ids, &greedy[..greedy.len() - 1]);
         add(&steps, &gold[&format!("{p}.bf16.step_logits")].data);
-        let agree = greedy_ids(&steps, vocab).iter().zip(greedy).filter(|(a, b)| a == b).count();
+        let ours = greedy_ids(&steps, vocab);
+        let want = &gold[&format!("{p}.bf16.step_logits")].data;
+        r.greedy_worst_gap = r.greedy_worst_gap.max(greedy_worst_gap(&ours, greedy, want, vocab));
+        let agree = ours.iter().zip(greedy).filter(|(a, b)| a == b).count();
         disagree += greedy.len() - agree;
         eprintln!("{label} {p}: greedy agreement with the bf16 reference {agree}/{}", greedy.len());
     }
     r.greedy_disagree = disagree;
     r
+}
+
+/// Where greedy ids `ours` differ from the reference's `want`, the largest gap in the
+/// reference's logits (`want_logits`, one row of `vocab` per id) between its id and ours; 0 when
+/// all agree.
+pub fn greedy_worst_gap(ours: &[u32], want: &[u32], want_logits: &[f32], vocab: usize) -> f32 {
+    let mut worst = 0.0f32;
+    for (i, (&a, &b)) in ours.iter().zip(want).enumerate() {
+        if a != b {
+            let row = &want_logits[i * vocab..(i + 1) * vocab];
+            worst = worst.max(row[b as usize] - row[a as usize]);
+        }
+    }
+    worst
 }
 
 /// Tolerances of [`check_bf16_parity`].
@@ -297,9 +317,13 @@ pub struct Bf16Tol {
     pub max: f32,
     /// Largest mean |ours - reference| of a block allowed (inclusive).
     pub mean: f32,
-    /// Whether every greedy id must equal the reference's.
-    pub greedy_exact: bool,
+    /// Whether every greedy id must equal the reference's, except at near-ties: where one
+    /// differs, the reference's own logit of our id must be within [`GREEDY_TIE`] of its top.
+    pub greedy_up_to_ties: bool,
 }
+
+/// The near-tie bound of [`Bf16Tol::greedy_up_to_ties`]: one bf16 ulp of a logit in [1, 2).
+pub const GREEDY_TIE: f32 = 7.8125e-3;
 
 /// The bf16 checkpoint against the bf16 reference ([`bf16_report`]) within `tol`.
 pub fn check_bf16_parity(m: &mut dyn Executor, gold: &Golden, tol: Bf16Tol, label: &str) {
@@ -310,8 +334,16 @@ pub fn check_bf16_parity(m: &mut dyn Executor, gold: &Golden, tol: Bf16Tol, labe
     );
     assert!(r.max <= tol.max, "{label}: bf16 max diff {:e}", r.max);
     assert!(r.mean <= tol.mean, "{label}: bf16 mean diff {:e}", r.mean);
-    if tol.greedy_exact {
-        assert_eq!(r.greedy_disagree, 0, "{label}: greedy ids differ from the bf16 reference");
+    if tol.greedy_up_to_ties {
+        eprintln!(
+            "{label}: {} greedy id(s) differ; largest reference gap where they do {:e} (near-tie bound {:e})",
+            r.greedy_disagree, r.greedy_worst_gap, GREEDY_TIE
+        );
+        assert!(
+            r.greedy_worst_gap <= GREEDY_TIE,
+            "{label}: a greedy id differs from the bf16 reference where it is no near-tie (gap {:e})",
+            r.greedy_worst_gap
+        );
     }
 }
 
@@ -328,6 +360,10 @@ mod tests {
         // |x| in [1, 2): one bf16 ulp is 2^-7; in [16, 32): 2^-3.
         assert_eq!(bf16_ulp_of_max(&[0.5, -1.5]), 2f32.powi(-7));
         assert_eq!(bf16_ulp_of_max(&[-20.0, 3.0]), 0.125);
+        // Two steps of a 3-token vocabulary; the second disagrees, by a gap of 0.5.
+        let logits = [0.0, 1.0, 0.5, 2.0, 1.5, 0.0];
+        assert_eq!(greedy_worst_gap(&[1, 0], &[1, 0], &logits, 3), 0.0);
+        assert_eq!(greedy_worst_gap(&[1, 1], &[1, 0], &logits, 3), 0.5);
     }
 
     #[test]
@@ -404,7 +440,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "bf16 max diff")]
     fn bf16_parity_catches_an_error_above_its_tolerance() {
-        let tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_exact: false };
+        let tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_up_to_ties: false };
         check_bf16_parity(&mut perturbed("ckpt_bf16", None, 0.1), &m8_golden(), tol, "perturbed");
     }
 }

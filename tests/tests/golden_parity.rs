@@ -14,7 +14,7 @@ const F32_TOL: f32 = 1e-5;
 /// is 7.8e-3 for |logit| in [1, 2)). Stated tolerance: at most two ulps anywhere (1.6e-2), and a
 /// mean absolute difference below 1.5e-3 (measured: max 7.8e-3 = one ulp, mean 9.8e-4; the
 /// reference's own bf16-vs-f32 gap is 9.5e-3 max).
-const BF16_TOL: Bf16Tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_exact: false };
+const BF16_TOL: Bf16Tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_up_to_ties: true };
 
 fn model(dir: &str, simd: Simd, threads: usize) -> Model<CpuBackend> {
     let b = CpuBackend::with_simd(Some(threads), simd).unwrap();

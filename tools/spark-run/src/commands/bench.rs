@@ -33,6 +33,10 @@ pub struct BenchArgs {
     /// Repetitions.
     #[arg(short = 'r', long, default_value_t = 3)]
     pub reps: usize,
+    /// Untimed runs of each test before the timed ones (first-use costs: lazily loaded GPU
+    /// kernels, library heuristics, page faults).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
     /// Sequences decoded together in the decode test (total tokens/s is reported).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -207,7 +211,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt > 0 {
         let mut logits = vec![0.0f32; cfg.vocab];
         let mut v = vec![];
-        for _ in 0..a.reps {
+        for rep in 0..a.warmup + a.reps {
             let ids: Vec<u32> = (0..a.prompt).map(|_| tok()).collect();
             seq += 1;
             let t = Instant::now();
@@ -215,7 +219,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 &[SeqStep { seq_id: seq, tokens: &ids, start_pos: 0, logits: LogitsMode::Last }],
                 &mut logits,
             )?;
-            v.push(a.prompt as f64 / t.elapsed().as_secs_f64());
+            if rep >= a.warmup {
+                v.push(a.prompt as f64 / t.elapsed().as_secs_f64());
+            }
             l.exec.release(seq);
         }
         let (mean, sd) = stats(&v);
@@ -232,7 +238,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let b = a.batch;
         let mut logits = vec![0.0f32; cfg.vocab * b];
         let mut v = vec![];
-        for _ in 0..a.reps {
+        for rep in 0..a.warmup + a.reps {
+            // A warm-up run decodes a few steps only.
+            let n_gen = if rep < a.warmup { a.n_gen.min(8) } else { a.n_gen };
             let seqs: Vec<u64> = (0..b as u64).map(|i| seq + 1 + i).collect();
             seq += b as u64;
             let firsts: Vec<[u32; 1]> = (0..b).map(|_| [tok()]).collect();
@@ -243,7 +251,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .collect();
             l.exec.forward(&steps, &mut logits)?;
             let t = Instant::now();
-            for i in 0..a.n_gen {
+            for i in 0..n_gen {
                 let ids: Vec<[u32; 1]> = (0..b).map(|_| [tok()]).collect();
                 let steps: Vec<SeqStep> = seqs
                     .iter()
@@ -257,7 +265,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     .collect();
                 l.exec.forward(&steps, &mut logits)?;
             }
-            v.push((a.n_gen * b) as f64 / t.elapsed().as_secs_f64());
+            if rep >= a.warmup {
+                v.push((a.n_gen * b) as f64 / t.elapsed().as_secs_f64());
+            }
             for s in seqs {
                 l.exec.release(s);
             }
