@@ -12,7 +12,8 @@
 #                                      1.7B shape); bench the cuda backend (pp2048 and tg128 at
 #                                      batch 1, tg128 at batch 16) and profile it per kernel
 #                                      (SPARK_CUDA_PROFILE=1); bench the wgpu backend through
-#                                      Vulkan (SKIP_WGPU=1 skips); run the CPU kernel tests on
+#                                      Vulkan (SKIP_WGPU=1 skips); the PyTorch peer
+#                                      (scripts/torch-peer.py, SKIP_TORCH=1 skips); run the CPU kernel tests on
 #                                      the host CPU (SKIP_CPU=1 skips). Logs go to $OUT (if set)
 #                                      else DIR/out. CKPT_DIR reuses a checkpoint.
 #
@@ -128,11 +129,25 @@ run)
   else
     echo "note: this spark-run has no 'bench --batch'; batch 16 not measured"
   fi
-  # GPU time per kernel (CUDA events around each launch): prefill, then decode.
+  step "bench cuda 1.7B bf16: tg128, batch 1, without CUDA graphs (SPARK_CUDA_NO_GRAPHS=1)"
+  SPARK_CUDA_NO_GRAPHS=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 --json \
+    | tee "$out/bench-b1-nographs.jsonl" || status=1
+  # GPU time per kernel (CUDA events around each launch; no graphs then): prefill, then decode.
   step "profile cuda: pp2048 (SPARK_CUDA_PROFILE=1)"
   SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 2048 -n 0 -r 1 --ctx-size 4096
   step "profile cuda: tg128 batch 1 (SPARK_CUDA_PROFILE=1)"
   SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096
+
+  step "host time per step: tg128 batch 1 (SPARK_CUDA_PROFILE=steps)"
+  SPARK_CUDA_PROFILE=steps timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096 2>&1 | grep -E 'cuda steps|tg128'
+
+  # A peer on the same GPU and checkpoint: the model in plain PyTorch (eager, and decode as a
+  # torch CUDA graph), where python3 has torch (no other engine can be installed there).
+  if [ "${SKIP_TORCH:-0}" != 1 ] && python3 -c 'import torch, safetensors' 2>/dev/null; then
+    step "peer: PyTorch on the same checkpoint (scripts/torch-peer.py)"
+    timeout 300 python3 "$(dirname "$0")/torch-peer.py" --model "$ckpt" -p 2048 -n 128 --batch 1,16 --reps 3 \
+      | tee "$out/torch-peer.jsonl" || echo "torch peer failed or timed out"
+  fi
 
   # The wgpu backend on the same GPU through its Vulkan driver (issue 7), where a loader is
   # present (carry .gl with libvulkan1 and unpack it first: see the device README).

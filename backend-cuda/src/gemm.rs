@@ -6,6 +6,8 @@
 //!   rounded to bf16 by the op that produced them, are converted to bf16 (exactly), multiplied
 //!   with f32 accumulation into an f32 output, which is then rounded to bf16 — the reference's
 //!   bf16 matmul.
+//! - bf16 weights and at most [`GEMV_MAX_ROWS`] rows (decode): the GEMV kernel `gemv_bf16w`,
+//!   which streams the weights once with 16-byte loads and rounds its f32 sums itself.
 //! - Without cuBLAS (or bf16 weights with an f32 result): the fallback kernel `matmul_*w`, one
 //!   warp per output element, f32 accumulation.
 //!
@@ -18,7 +20,8 @@ use cudarc::cublas::{result as blas, sys as bsys};
 use spark_core::{DType, Error, Result};
 
 use crate::device::err;
-use crate::kernels::{blocks_for, cfg, launch, Arg, THREADS};
+use crate::kernels::{blocks_for, cfg, Arg, GEMV_THREADS, THREADS};
+use crate::step::{GemmRec, Rec};
 use crate::{ensure, mode, CudaBackend, CudaTensor, CudaWeight};
 
 fn int(v: usize, what: &str) -> Result<i32> {
@@ -32,71 +35,62 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
         return Ok(());
     }
     let md = mode(round)?;
+    if gemv_takes(b, x, w) {
+        return gemv(b, x, w, out, md);
+    }
     let use_blas = b.blas.is_some() && (w.dtype == DType::F32 || round == DType::BF16);
     if !use_blas {
         return fallback(b, x, w, out, md);
     }
-    let blas_h = *b.blas.as_ref().expect("checked above").handle();
     let (mi, ni, ki) = (int(m, "m")?, int(n, "n")?, int(k, "k")?);
-    let alpha = 1.0f32;
-    let beta = 0.0f32;
-    let out_ptr = b.ptr_mut(&mut out.buf);
+    let out_ptr = b.ptr_mut(out.buf_mut());
     let w_ptr = b.ptr(&w.buf);
-    let mut s = b.scratch();
-    let (x_ptr, ab_type) = match w.dtype {
-        DType::F32 => (b.ptr(&x.buf), bsys::cudaDataType::CUDA_R_32F),
+    let x_ptr = match w.dtype {
+        DType::F32 => b.ptr(x.buf()),
         _ => {
-            ensure(&b.stream, &mut s.bf16, n * k)?;
+            let mut s = b.scratch();
+            let mut keep = vec![];
+            ensure(&b.stream, &mut s.bf16, n * k, &mut keep)?;
+            b.step().keep.extend(keep);
             let xb = b.ptr_mut(s.bf16.as_mut().expect("ensured"));
             // f32_to_bf16_kernel(x, out, n)
-            launch(
-                &b.stream,
+            b.launch(
                 &b.k.f32_to_bf16_kernel,
                 "f32_to_bf16",
                 cfg((blocks_for(n * k), 1), THREADS, 0),
-                &[Arg::Ptr(b.ptr(&x.buf)), Arg::Ptr(xb), Arg::U64((n * k) as u64)],
+                &[Arg::Ptr(b.ptr(x.buf())), Arg::Ptr(xb), Arg::U64((n * k) as u64)],
             )?;
-            (xb, bsys::cudaDataType::CUDA_R_16BF)
+            xb
         }
     };
-    let t0 = crate::profile::start(&b.stream);
-    // SAFETY: the handle is bound to this backend's stream; W is `[m, k]` (m*k elements of
-    // `ab_type`), x (or its bf16 copy, which `s` keeps alive and unchanged until the stream has
-    // run this GEMM: every user of the scratch is on the same stream) is `[n, k]`, out is
-    // `[n, m]` f32 (checked by the caller); alpha/beta are host f32 values read during the call.
-    unsafe {
-        blas::gemm_ex(
-            blas_h,
-            bsys::cublasOperation_t::CUBLAS_OP_T,
-            bsys::cublasOperation_t::CUBLAS_OP_N,
-            mi,
-            ni,
-            ki,
-            &alpha as *const f32 as *const c_void,
-            w_ptr as *const c_void,
-            ab_type,
-            ki,
-            x_ptr as *const c_void,
-            ab_type,
-            ki,
-            &beta as *const f32 as *const c_void,
-            out_ptr as *mut c_void,
-            bsys::cudaDataType::CUDA_R_32F,
-            mi,
-            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
+    // SPARK_CUDA_GEMM_SPLIT=R (an experiment): GEMMs of more than R output columns run as
+    // several of at most R.
+    let split = gemm_split().unwrap_or(m).max(1);
+    for m0 in (0..m).step_by(split) {
+        let mm = split.min(m - m0);
+        // out^T (m x n, ld m) = W^T (op T of a k x m matrix, ld k) * x^T (k x n, ld k).
+        b.step().recs.push(Rec::Gemm(GemmRec {
+            ta: true,
+            tb: false,
+            m: int(mm, "m")?,
+            n: ni,
+            k: ki,
+            a: w_ptr + (m0 * k * w.dtype.size()) as u64,
+            lda: ki,
+            stride_a: 0,
+            b: x_ptr,
+            ldb: ki,
+            stride_b: 0,
+            c: out_ptr + (m0 * 4) as u64,
+            ldc: mi,
+            stride_c: 0,
+            batch: 1,
+            bf16: w.dtype != DType::F32,
+        }));
     }
-    .map_err(|e| err(&format!("cublasGemmEx [{n}, {k}] x [{m}, {k}]^T"), e))?;
-    crate::profile::end(&b.stream, t0, || format!("cublas {:?} n={n} k={k} m={m}", w.dtype));
-    if crate::kernels::debug_sync() {
-        b.stream.synchronize().map_err(|e| err("running cublasGemmEx (SPARK_CUDA_DEBUG_SYNC)", e))?;
-    }
-    drop(s);
     if md != 0 {
         // round_inplace(x, n, mode)
-        launch(
-            &b.stream,
+        b.launch(
             &b.k.round_inplace,
             "round",
             cfg((blocks_for(n * m), 1), THREADS, 0),
@@ -106,6 +100,176 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
     Ok(())
 }
 
+fn gemm_split() -> Option<usize> {
+    static S: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *S.get_or_init(|| std::env::var("SPARK_CUDA_GEMM_SPLIT").ok().and_then(|v| v.parse().ok()))
+}
+
+/// Run a recorded cuBLAS GEMM now (see [`matmul`]).
+pub fn run_gemm(b: &CudaBackend, g: &GemmRec) -> Result<()> {
+    let blas_h = *b.blas.as_ref().ok_or_else(|| Error::internal("cuda: a GEMM was recorded without cuBLAS"))?.handle();
+    let ab_type = if g.bf16 { bsys::cudaDataType::CUDA_R_16BF } else { bsys::cudaDataType::CUDA_R_32F };
+    let alpha = 1.0f32;
+    let beta = 0.0f32;
+    let op = |t: bool| if t { bsys::cublasOperation_t::CUBLAS_OP_T } else { bsys::cublasOperation_t::CUBLAS_OP_N };
+    let t0 = crate::profile::start(&b.stream);
+    // SAFETY: the handle is bound to this backend's stream; the recorder of `g` checked that A,
+    // B and C hold the `batch` matrices its dimensions, leading dimensions and strides address
+    // (device buffers kept alive until the step has been launched); alpha/beta are host f32
+    // values read during the call.
+    unsafe {
+        if g.batch == 1 {
+            blas::gemm_ex(
+                blas_h,
+                op(g.ta),
+                op(g.tb),
+                g.m,
+                g.n,
+                g.k,
+                &alpha as *const f32 as *const c_void,
+                g.a as *const c_void,
+                ab_type,
+                g.lda,
+                g.b as *const c_void,
+                ab_type,
+                g.ldb,
+                &beta as *const f32 as *const c_void,
+                g.c as *mut c_void,
+                bsys::cudaDataType::CUDA_R_32F,
+                g.ldc,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        } else {
+            blas::gemm_strided_batched_ex(
+                blas_h,
+                op(g.ta),
+                op(g.tb),
+                g.m,
+                g.n,
+                g.k,
+                &alpha as *const f32 as *const c_void,
+                g.a as *const c_void,
+                ab_type,
+                g.lda,
+                g.stride_a,
+                g.b as *const c_void,
+                ab_type,
+                g.ldb,
+                g.stride_b,
+                &beta as *const f32 as *const c_void,
+                g.c as *mut c_void,
+                bsys::cudaDataType::CUDA_R_32F,
+                g.ldc,
+                g.stride_c,
+                g.batch,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+    }
+    .map_err(|e| err(&format!("cuBLAS GEMM m={} n={} k={} batch={}", g.m, g.n, g.k, g.batch), e))?;
+    crate::profile::end(&b.stream, t0, || {
+        format!("cublas {} m={} n={} k={} batch={}", if g.bf16 { "bf16" } else { "f32" }, g.m, g.n, g.k, g.batch)
+    });
+    if crate::kernels::debug_sync() {
+        b.stream.synchronize().map_err(|e| err("running cublasGemmEx (SPARK_CUDA_DEBUG_SYNC)", e))?;
+    }
+    Ok(())
+}
+
+/// The most activation rows the GEMV kernel takes.
+pub const GEMV_MAX_ROWS: usize = 16;
+
+/// Whether the GEMV kernels take `x W^T` (bf16 weights, few rows, k a multiple of 8).
+pub fn gemv_takes(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight) -> bool {
+    b.opts.gemv && w.dtype == DType::BF16 && x.rows <= GEMV_MAX_ROWS && x.cols.is_multiple_of(8) && w.cols == x.cols
+}
+
+fn gemv(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor, md: i32) -> Result<()> {
+    gemv_launch(b, x, (w, out), None, md)
+}
+
+/// `out1 = x W1^T` and `out2 = x W2^T` in one launch (both GEMV-eligible, shapes checked by the
+/// caller).
+pub fn gemv_pair(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    first: (&CudaWeight, &mut CudaTensor),
+    second: (&CudaWeight, &mut CudaTensor),
+    round: DType,
+) -> Result<()> {
+    gemv_launch(b, x, first, Some(second), mode(round)?)
+}
+
+fn gemv_launch(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    (w1, out1): (&CudaWeight, &mut CudaTensor),
+    second: Option<(&CudaWeight, &mut CudaTensor)>,
+    md: i32,
+) -> Result<()> {
+    let (n, k, m1) = (x.rows, x.cols, w1.rows);
+    let (w2, out2, m2) = match second {
+        Some((w, o)) => (b.ptr(&w.buf), b.ptr_mut(o.buf_mut()), w.rows),
+        None => (0, 0, 0),
+    };
+    // gemv_bf16w(x, w1, out1, m1, w2, out2, m2, n, k, mode): one warp per output row.
+    b.launch(
+        &b.k.gemv_bf16w,
+        "gemv",
+        cfg(
+            (u32::try_from((m1 + m2).div_ceil(GEMV_WARPS)).map_err(|_| Error::invalid("GEMV rows"))?, 1),
+            GEMV_THREADS,
+            0,
+        ),
+        &[
+            Arg::Ptr(b.ptr(x.buf())),
+            Arg::Ptr(b.ptr(&w1.buf)),
+            Arg::Ptr(b.ptr_mut(out1.buf_mut())),
+            Arg::U32(m1 as u32),
+            Arg::Ptr(w2),
+            Arg::Ptr(out2),
+            Arg::U32(m2 as u32),
+            Arg::U32(n as u32),
+            Arg::U32(k as u32),
+            Arg::I32(md),
+        ],
+    )
+}
+
+/// `out = geglu(x Wg^T, x Wu^T)` in one launch (both GEMV-eligible, shapes checked by the
+/// caller).
+pub fn gemv_geglu(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    wg: &CudaWeight,
+    wu: &CudaWeight,
+    out: &mut CudaTensor,
+    round: DType,
+) -> Result<()> {
+    let (n, k, m) = (x.rows, x.cols, wg.rows);
+    // gemv_geglu_bf16w(x, wg, wu, out, m, n, k, mode): one warp per output row.
+    b.launch(
+        &b.k.gemv_geglu_bf16w,
+        "gemv_geglu",
+        cfg((u32::try_from(m.div_ceil(GEMV_WARPS)).map_err(|_| Error::invalid("GEMV rows"))?, 1), GEMV_THREADS, 0),
+        &[
+            Arg::Ptr(b.ptr(x.buf())),
+            Arg::Ptr(b.ptr(&wg.buf)),
+            Arg::Ptr(b.ptr(&wu.buf)),
+            Arg::Ptr(b.ptr_mut(out.buf_mut())),
+            Arg::U32(m as u32),
+            Arg::U32(n as u32),
+            Arg::U32(k as u32),
+            Arg::I32(mode(round)?),
+        ],
+    )
+}
+
+/// Warps (output rows) per block of the GEMV kernels.
+const GEMV_WARPS: usize = (GEMV_THREADS / 32) as usize;
+
 fn fallback(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor, md: i32) -> Result<()> {
     let (n, k, m) = (x.rows, x.cols, w.rows);
     let f = match w.dtype {
@@ -114,15 +278,14 @@ fn fallback(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTenso
     };
     let grid = (m.div_ceil((THREADS / 32) as usize) as u32, n.min(65535) as u32);
     // matmul_{f32,bf16}w(x, w, out, n, k, m, mode)
-    launch(
-        &b.stream,
+    b.launch(
         f,
         "matmul (fallback)",
         cfg(grid, THREADS, 0),
         &[
-            Arg::Ptr(b.ptr(&x.buf)),
+            Arg::Ptr(b.ptr(x.buf())),
             Arg::Ptr(b.ptr(&w.buf)),
-            Arg::Ptr(b.ptr_mut(&mut out.buf)),
+            Arg::Ptr(b.ptr_mut(out.buf_mut())),
             Arg::U32(n as u32),
             Arg::U32(k as u32),
             Arg::U32(m as u32),

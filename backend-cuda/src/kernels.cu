@@ -50,6 +50,23 @@ __device__ float block_sum(float v) {
     return s[0];
 }
 
+// Max over the block (as block_sum).
+__device__ float block_max(float v) {
+    __shared__ float s[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) s[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? s[lane] : SPARK_NEG_INF;
+        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+        if (lane == 0) s[0] = t;
+    }
+    __syncthreads();
+    return s[0];
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row kernels (grid.x = rows).
 
@@ -75,6 +92,24 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     ss = block_sum(ss) / (float)cols;
     const float r = 1.0f / sqrtf(ss + eps);
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) orow[j] = rnd(w[j] * (xr[j] * r), mode);
+}
+
+// h += x, then out = rms_norm(h) as above (the residual add fused with the next norm; the same
+// sums in the same order as add_inplace then rms_norm).
+extern "C" __global__ void add_rms_norm(float* h, const float* x, const float* w, float* out, u32 cols, float eps,
+                                        int mode) {
+    float* hr = h + (u64)blockIdx.x * cols;
+    const float* xr = x + (u64)blockIdx.x * cols;
+    float* orow = out + (u64)blockIdx.x * cols;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = hr[j] + xr[j];
+        hr[j] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss) / (float)cols;
+    const float r = 1.0f / sqrtf(ss + eps);
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) orow[j] = rnd(w[j] * (hr[j] * r), mode);
 }
 
 // NeoX rotation of the first 2*half dims of each of the first n_rot_heads heads of row r, at
@@ -174,12 +209,170 @@ extern "C" __global__ void matmul_bf16w(const float* x, const bf16_t* w, float* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// KV cache append: positions first..end of a chunk (rows row0 + pos - start of the fused QKV
-// activations) into the cache, slot = pos % ring for a ring (ring > 0), else pos.
-// grid.x = end - first, threads over kvd.
+// Small-batch GEMVs (decode): out[t, r] = rnd(sum_j x[t, j] * W[r, j]) for n <= 16 rows of x
+// (f32) and bf16 weights [m, k] with k % 8 == 0. One warp per output row r (4 warps per block:
+// blockDim.x = 128, grid.x = ceil(rows / 4)); each lane reads 8 consecutive weights per load
+// (16 bytes), eight loads in flight before they are used, so the weights stream once at memory
+// speed; x (n * k floats) stays in L1/L2.
 
-extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 qkv_cols, u32 row0, u32 start,
-                                     u32 first, u32 qd, u32 kvd, u32 ring, int kv_bf16) {
+__device__ __forceinline__ void unpack_bf16x8(uint4 v, float* o) {
+    const u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        o[2 * t] = __uint_as_float(u[t] << 16);
+        o[2 * t + 1] = __uint_as_float(u[t] & 0xffff0000u);
+    }
+}
+
+#define GEMV_WARPS 4
+#define GEMV_DEPTH 8
+
+// acc[t] = sum_j x[t, j] * wr[j] for t < n, on every lane of the warp.
+template <int NT>
+__device__ __forceinline__ void gemv_row(const float* x, const bf16_t* wr, u32 n, u32 k, float* acc) {
+    const u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+    for (u32 j0 = lane * 8; j0 < k; j0 += 256 * GEMV_DEPTH) {
+        uint4 wv[GEMV_DEPTH];
+#pragma unroll
+        for (int u = 0; u < GEMV_DEPTH; ++u) {
+            const u32 j = j0 + 256 * u;
+            wv[u] = j < k ? __ldg((const uint4*)(wr + j)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_DEPTH; ++u) {
+            const u32 j = j0 + 256 * u;
+            if (j >= k) break;
+            float wf[8];
+            unpack_bf16x8(wv[u], wf);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < (int)n) {
+                    const float4 x0 = __ldg((const float4*)(x + (u64)t * k + j));
+                    const float4 x1 = __ldg((const float4*)(x + (u64)t * k + j + 4));
+                    acc[t] += x0.x * wf[0] + x0.y * wf[1] + x0.z * wf[2] + x0.w * wf[3] + x1.x * wf[4] +
+                              x1.y * wf[5] + x1.z * wf[6] + x1.w * wf[7];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = warp_sum(acc[t]);
+}
+
+// The instantiation for n rows (NT = the next of 1, 2, 4, 8, 16).
+#define GEMV_BY_N(F, ...)                                \
+    if (n <= 1) F<1>(__VA_ARGS__);                       \
+    else if (n <= 2) F<2>(__VA_ARGS__);                  \
+    else if (n <= 4) F<4>(__VA_ARGS__);                  \
+    else if (n <= 8) F<8>(__VA_ARGS__);                  \
+    else F<16>(__VA_ARGS__);
+
+// Rows 0..m1 of the output come from w1 into out1 [n, m1], rows m1..m1+m2 from w2 into out2
+// [n, m2] (m2 = 0: a single weight).
+template <int NT>
+__device__ void gemv2_impl(const float* x, const bf16_t* w1, float* out1, u32 m1, const bf16_t* w2, float* out2,
+                           u32 m2, u32 n, u32 k, int mode) {
+    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (r >= m1 + m2) return;
+    const bool first = r < m1;
+    const u32 rr = first ? r : r - m1;
+    const u32 m = first ? m1 : m2;
+    float* out = first ? out1 : out2;
+    float acc[NT];
+    gemv_row<NT>(x, (first ? w1 : w2) + (u64)rr * k, n, k, acc);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if (t < (int)n) out[(u64)t * m + rr] = rnd(acc[t], mode);
+    }
+}
+
+extern "C" __global__ void gemv_bf16w(const float* x, const bf16_t* w1, float* out1, u32 m1, const bf16_t* w2,
+                                      float* out2, u32 m2, u32 n, u32 k, int mode) {
+    GEMV_BY_N(gemv2_impl, x, w1, out1, m1, w2, out2, m2, n, k, mode)
+}
+
+// out[t, r] = geglu(rnd(x Wg^T), rnd(x Wu^T)) for row r: both projections and the GEGLU of
+// ops::geglu in one pass, as the matmul, matmul, geglu sequence rounds them.
+// As gemv_row for two weight rows at once (both rows' loads in flight together).
+template <int NT>
+__device__ __forceinline__ void gemv_row2(const float* x, const bf16_t* wa, const bf16_t* wb, u32 n, u32 k, float* acc_a,
+                                          float* acc_b) {
+    const u32 lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc_a[t] = acc_b[t] = 0.0f;
+    for (u32 j0 = lane * 8; j0 < k; j0 += 256 * GEMV_DEPTH) {
+        uint4 va[GEMV_DEPTH], vb[GEMV_DEPTH];
+#pragma unroll
+        for (int u = 0; u < GEMV_DEPTH; ++u) {
+            const u32 j = j0 + 256 * u;
+            va[u] = j < k ? __ldg((const uint4*)(wa + j)) : make_uint4(0, 0, 0, 0);
+            vb[u] = j < k ? __ldg((const uint4*)(wb + j)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_DEPTH; ++u) {
+            const u32 j = j0 + 256 * u;
+            if (j >= k) break;
+            float fa[8], fb[8];
+            unpack_bf16x8(va[u], fa);
+            unpack_bf16x8(vb[u], fb);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < (int)n) {
+                    const float4 x0 = __ldg((const float4*)(x + (u64)t * k + j));
+                    const float4 x1 = __ldg((const float4*)(x + (u64)t * k + j + 4));
+                    acc_a[t] += x0.x * fa[0] + x0.y * fa[1] + x0.z * fa[2] + x0.w * fa[3] + x1.x * fa[4] +
+                                x1.y * fa[5] + x1.z * fa[6] + x1.w * fa[7];
+                    acc_b[t] += x0.x * fb[0] + x0.y * fb[1] + x0.z * fb[2] + x0.w * fb[3] + x1.x * fb[4] +
+                                x1.y * fb[5] + x1.z * fb[6] + x1.w * fb[7];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        acc_a[t] = warp_sum(acc_a[t]);
+        acc_b[t] = warp_sum(acc_b[t]);
+    }
+}
+
+// out[t, r] = geglu(rnd(x Wg^T), rnd(x Wu^T)) for row r: both projections and the GEGLU of
+// ops::geglu in one pass, as the matmul, matmul, geglu sequence rounds them.
+template <int NT>
+__device__ void gemv_geglu_impl(const float* x, const bf16_t* wg, const bf16_t* wu, float* out, u32 m, u32 n, u32 k,
+                                int mode) {
+    const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (r >= m) return;
+    float g[NT], u[NT];
+    gemv_row2<NT>(x, wg + (u64)r * k, wu + (u64)r * k, n, k, g, u);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < (int)n) {
+                const float gv = rnd(g[t], mode), uv = rnd(u[t], mode);
+                const float ge = 0.5f * gv * (1.0f + erff(gv * 0.70710678118654752440f));
+                out[(u64)t * m + r] = rnd(rnd(ge, mode) * uv, mode);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemv_geglu_bf16w(const float* x, const bf16_t* wg, const bf16_t* wu, float* out, u32 m,
+                                            u32 n, u32 k, int mode) {
+    GEMV_BY_N(gemv_geglu_impl, x, wg, wu, out, m, n, k, mode)
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV cache append: positions first..end of a chunk (rows row0 + pos - start of the fused QKV
+// activations) into the cache, slot = pos % ring for a ring (ring > 0), else pos. start and first
+// are read from device memory (dyn[0], dyn[1]) so that a decode step's launch is the same at
+// every position (a CUDA graph replays it). grid.x = end - first, threads over kvd.
+
+extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 qkv_cols, u32 row0, const u32* dyn,
+                                     u32 qd, u32 kvd, u32 ring, int kv_bf16) {
+    const u32 start = dyn[0], first = dyn[1];
     const u32 pos = first + blockIdx.x;
     const float* src = qkv + (u64)(row0 + pos - start) * qkv_cols + qd;
     const u64 slot = ring ? (u64)(pos % ring) : (u64)pos;
@@ -197,7 +390,8 @@ extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 q
 
 // ---------------------------------------------------------------------------------------------
 // Attention of one chunk (nq new tokens at positions start..start+nq, rows row0.. of qkv) over
-// the cached keys (positions < start, in kc/vc) and the chunk's own keys (from qkv). Query i
+// the cached keys (positions < start, in kc/vc) and the chunk's own keys (from qkv). start is read
+// from device memory (dyn[0]), so a decode step's launches are the same at every position. Query i
 // (position p = start + i) sees keys lo..=p, lo = p + 1 - window (window > 0, sliding) or 0.
 //
 // Exactly the reference's arithmetic (attention.rs): s = rnd(rnd(q.k) * scale); softmax with
@@ -266,11 +460,11 @@ __device__ __forceinline__ void attn_load_q(const Attn& A, float* q, u32 i, u32 
 }
 
 #define ATTN_PARAMS                                                                                             \
-    const float *qkv, const void *kc, const void *vc, u32 qkv_cols, u32 row0, u32 start, u32 n_heads,           \
+    const float *qkv, const void *kc, const void *vc, u32 qkv_cols, u32 row0, const u32 *dyn, u32 n_heads,      \
         u32 n_kv_heads, u32 head_dim, u32 window, u32 ring, u32 nsplit, int kv_bf16, int mode, float scale
 #define ATTN_INIT                                                                                               \
     Attn A;                                                                                                     \
-    A.qkv = qkv; A.kc = kc; A.vc = vc; A.qkv_cols = qkv_cols; A.row0 = row0; A.start = start;                   \
+    A.qkv = qkv; A.kc = kc; A.vc = vc; A.qkv_cols = qkv_cols; A.row0 = row0; A.start = dyn[0];                  \
     A.n_heads = n_heads; A.n_kv_heads = n_kv_heads; A.head_dim = head_dim; A.window = window; A.ring = ring;    \
     A.nsplit = nsplit; A.kv_bf16 = kv_bf16; A.mode = mode; A.scale = scale;
 
@@ -360,9 +554,200 @@ extern "C" __global__ void attn_accum(ATTN_PARAMS, const float* stats, float* pa
     }
 }
 
-// out[row0 + i, h * head_dim + d] = rnd(sum over splits of partial).
+// ---------------------------------------------------------------------------------------------
+// Scored attention: the same arithmetic, with each score computed once. Pass 1 (attn_scores)
+// writes the scores of the split's keys to `scores` (row qh, entry pos - lo, row stride max_keys)
+// besides the split's stats; pass 2 (attn_pv) reads them back instead of recomputing q.k. A lane
+// holds DPL = head_dim / 32 consecutive dims of q, a key and the output, read with vector loads
+// (head_dim a power of two from 32 to 512). Same grid and block as attn_stats / attn_accum; the
+// dynamic shared memory of attn_pv is (ATTN_THREADS / 32) * head_dim floats.
+
+template <int DPL> __device__ __forceinline__ void load_f32(const float* p, float* o) {
+    if (DPL % 4 == 0) {
+#pragma unroll
+        for (int t = 0; t < DPL; t += 4) {
+            const float4 v = *(const float4*)(p + t);
+            o[t] = v.x; o[t + 1] = v.y; o[t + 2] = v.z; o[t + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) o[t] = p[t];
+    }
+}
+
+template <int DPL> __device__ __forceinline__ void load_bf16(const bf16_t* p, float* o) {
+    if (DPL % 8 == 0) {
+#pragma unroll
+        for (int t = 0; t < DPL; t += 8) unpack_bf16x8(*(const uint4*)(p + t), o + t);
+    } else {
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) o[t] = bf16_to_f32(p[t]);
+    }
+}
+
+// Dims e0..e0+DPL of the key (which = 0) or value (1) of kv head kvh at position pos.
+template <int DPL> __device__ __forceinline__ void kv_vec(const Attn& A, u32 pos, u32 kvh, int which, u32 e0, float* o) {
+    const u32 kvd = A.n_kv_heads * A.head_dim;
+    if (pos >= A.start) {
+        const float* r = A.qkv + (u64)(A.row0 + pos - A.start) * A.qkv_cols + A.n_heads * A.head_dim;
+        load_f32<DPL>(r + which * kvd + kvh * A.head_dim + e0, o);
+        return;
+    }
+    const u64 slot = A.ring ? (u64)(pos % A.ring) : (u64)pos;
+    const u64 off = slot * kvd + kvh * A.head_dim + e0;
+    const void* base = which ? A.vc : A.kc;
+    if (A.kv_bf16) load_bf16<DPL>((const bf16_t*)base + off, o);
+    else load_f32<DPL>((const float*)base + off, o);
+}
+
+// The first key query i sees.
+__device__ __forceinline__ u32 attn_lo(const Attn& A, u32 i) {
+    const u32 p = A.start + i;
+    return (A.window > 0 && p + 1 > A.window) ? p + 1 - A.window : 0;
+}
+
+template <int DPL> __device__ void attn_scores_impl(const Attn& A, u32 max_keys, float* scores, float* stats) {
+    __shared__ float wm[ATTN_THREADS / 32], wl[ATTN_THREADS / 32];
+    const u32 qh = blockIdx.x, split = blockIdx.y;
+    const u32 i = qh / A.n_heads, h = qh % A.n_heads, kvh = h / (A.n_heads / A.n_kv_heads);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 e0 = lane * DPL;
+    float q[DPL];
+    load_f32<DPL>(A.qkv + (u64)(A.row0 + i) * A.qkv_cols + h * A.head_dim + e0, q);
+    u32 a, b;
+    attn_range(A, i, split, &a, &b);
+    const u32 lo = attn_lo(A, i);
+    float* srow = scores + (u64)qh * max_keys;
+    float m = SPARK_NEG_INF, l = 0.0f;
+    for (u32 pos = a + warp; pos < b; pos += nw) {
+        float k[DPL];
+        kv_vec<DPL>(A, pos, kvh, 0, e0, k);
+        float acc = 0.0f;
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) acc += q[t] * k[t];
+        acc = warp_sum(acc);
+        const float s = rnd(rnd(acc, A.mode) * A.scale, A.mode);
+        if (lane == 0) srow[pos - lo] = s;
+        if (s > m) {
+            l = l * expf(m - s) + 1.0f;
+            m = s;
+        } else {
+            l += expf(s - m);
+        }
+    }
+    if (lane == 0) {
+        wm[warp] = m;
+        wl[warp] = l;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float M = SPARK_NEG_INF;
+        for (u32 w = 0; w < nw; ++w)
+            if (wl[w] > 0.0f && wm[w] > M) M = wm[w];
+        float L = 0.0f;
+        for (u32 w = 0; w < nw; ++w)
+            if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
+        stats[((u64)qh * A.nsplit + split) * 2 + 0] = M;
+        stats[((u64)qh * A.nsplit + split) * 2 + 1] = L;
+    }
+}
+
+template <int DPL> __device__ void attn_pv_impl(const Attn& A, u32 max_keys, const float* scores, const float* stats,
+                                              float* partial) {
+    extern __shared__ float sh[];  // [nw, head_dim]
+    const u32 qh = blockIdx.x, split = blockIdx.y;
+    const u32 i = qh / A.n_heads, h = qh % A.n_heads, kvh = h / (A.n_heads / A.n_kv_heads);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 e0 = lane * DPL;
+    const float* st = stats + (u64)qh * A.nsplit * 2;
+    float M = SPARK_NEG_INF;
+    for (u32 s = 0; s < A.nsplit; ++s)
+        if (st[2 * s + 1] > 0.0f && st[2 * s] > M) M = st[2 * s];
+    float L = 0.0f;
+    for (u32 s = 0; s < A.nsplit; ++s)
+        if (st[2 * s + 1] > 0.0f) L += st[2 * s + 1] * expf(st[2 * s] - M);
+    const float inv = 1.0f / L;
+    u32 a, b;
+    attn_range(A, i, split, &a, &b);
+    const u32 lo = attn_lo(A, i);
+    const float* srow = scores + (u64)qh * max_keys;
+    float acc[DPL];
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) acc[t] = 0.0f;
+    for (u32 pos = a + warp; pos < b; pos += nw) {
+        const float p = rnd(expf(srow[pos - lo] - M) * inv, A.mode);
+        float v[DPL];
+        kv_vec<DPL>(A, pos, kvh, 1, e0, v);
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) acc[t] += p * v[t];
+    }
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) sh[warp * A.head_dim + e0 + t] = acc[t];
+    __syncthreads();
+    float* dst = partial + ((u64)qh * A.nsplit + split) * A.head_dim;
+    for (u32 d = threadIdx.x; d < A.head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (u32 w = 0; w < nw; ++w) o += sh[w * A.head_dim + d];
+        dst[d] = o;
+    }
+}
+
+// The instantiation for head_dim = 32 * DPL.
+#define ATTN_BY_DPL(F, ...)                      \
+    switch (head_dim >> 5) {                     \
+    case 1: F<1>(__VA_ARGS__); break;            \
+    case 2: F<2>(__VA_ARGS__); break;            \
+    case 4: F<4>(__VA_ARGS__); break;            \
+    case 8: F<8>(__VA_ARGS__); break;            \
+    default: F<16>(__VA_ARGS__); break;          \
+    }
+
+extern "C" __global__ void attn_scores(ATTN_PARAMS, u32 max_keys, float* scores, float* stats) {
+    ATTN_INIT
+    ATTN_BY_DPL(attn_scores_impl, A, max_keys, scores, stats)
+}
+
+extern "C" __global__ void attn_pv(ATTN_PARAMS, u32 max_keys, const float* scores, const float* stats, float* partial) {
+    ATTN_INIT
+    ATTN_BY_DPL(attn_pv_impl, A, max_keys, scores, stats, partial)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense prefill attention (a chunk that starts a sequence, so every key is the chunk's own): the
+// scores S_h = Q_h K^T and the output O_h = P_h V are cuBLAS GEMMs (exact products, f32
+// accumulation: in bf16 mode q, k, v and p are bf16 values), and this kernel turns a row of S
+// into a row of P with the reference's rounding: s = rnd(rnd(S) * scale) over the keys query i
+// sees (lo..=i), p = rnd(exp(s - max) / sum), 0 elsewhere. S is [n_heads, n, n] f32, P the same
+// in bf16 (p_bf16) or f32. grid.x = n * n_heads (block i * n_heads + h), blockDim a multiple of 32.
+
+extern "C" __global__ void attn_softmax(const float* S, void* P, u32 n, u32 n_heads, u32 window, float scale, int mode,
+                                        int p_bf16) {
+    const u32 i = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    const u64 row = ((u64)h * n + i) * n;
+    const float* srow = S + row;
+    const u32 lo = (window > 0 && i + 1 > window) ? i + 1 - window : 0;
+    float m = SPARK_NEG_INF;
+    for (u32 j = lo + threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, rnd(rnd(srow[j], mode) * scale, mode));
+    m = block_max(m);
+    float l = 0.0f;
+    for (u32 j = lo + threadIdx.x; j <= i; j += blockDim.x) l += expf(rnd(rnd(srow[j], mode) * scale, mode) - m);
+    l = block_sum(l);
+    const float inv = 1.0f / l;
+    for (u32 j = threadIdx.x; j < n; j += blockDim.x) {
+        float p = 0.0f;
+        if (j >= lo && j <= i) p = rnd(expf(rnd(rnd(srow[j], mode) * scale, mode) - m) * inv, mode);
+        if (p_bf16) ((bf16_t*)P)[row + j] = f32_to_bf16(p);
+        else ((float*)P)[row + j] = p;
+    }
+}
+
+// out[row0 + i, h * head_dim + d] = rnd(sum over splits of partial). Then, after every read of
+// the cache by this chunk's attention (the kernels before this one), the KV append of kv_append:
+// the block of the first query head of each group writes its KV head's K and V of position
+// start + i (from dyn, as kv_append) when it is at least first.
 extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
-                                       u32 head_dim, u32 nsplit, int mode) {
+                                       u32 head_dim, u32 nsplit, int mode, const float* qkv, void* kc, void* vc,
+                                       u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16) {
     const u32 qh = blockIdx.x;
     const u32 i = qh / n_heads, h = qh % n_heads;
     const float* src = partial + (u64)qh * nsplit * head_dim;
@@ -371,5 +756,20 @@ extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out
         float o = 0.0f;
         for (u32 s = 0; s < nsplit; ++s) o += src[s * head_dim + d];
         dst[d] = rnd(o, mode);
+    }
+    const u32 group = n_heads / n_kv_heads, start = dyn[0], first = dyn[1], pos = start + i;
+    if (h % group != 0 || pos < first) return;
+    const u32 kvh = h / group, kvd = n_kv_heads * head_dim;
+    const float* k = qkv + (u64)(row0 + i) * qkv_cols + n_heads * head_dim + kvh * head_dim;
+    const u64 at = (ring ? (u64)(pos % ring) : (u64)pos) * kvd + kvh * head_dim;
+    for (u32 e = threadIdx.x; e < head_dim; e += blockDim.x) {
+        const float kx = k[e], vx = k[kvd + e];
+        if (kv_bf16) {
+            ((bf16_t*)kc)[at + e] = f32_to_bf16(kx);
+            ((bf16_t*)vc)[at + e] = f32_to_bf16(vx);
+        } else {
+            ((float*)kc)[at + e] = kx;
+            ((float*)vc)[at + e] = vx;
+        }
     }
 }

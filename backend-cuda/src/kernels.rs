@@ -1,11 +1,13 @@
 //! The CUDA C kernels (`kernels.cu`): compiled once per process by NVRTC for the device's
 //! architecture, or, where libnvrtc is missing, loaded from the bundled PTX (`kernels.ptx`,
 //! generated from the same source for compute_80 by NVRTC 13.0; a test checks it is current).
-//! Also the one place kernels are launched ([`Kernels::launch`]).
+//! Also the one place kernels are launched ([`launch_now`]; the backend records launches and
+//! runs them through it, see `step`).
 
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use spark_core::Result;
 
@@ -23,6 +25,8 @@ pub const BUNDLED_ARCH: &str = "compute_80";
 
 /// Threads per block of the row and elementwise kernels.
 pub const THREADS: u32 = 256;
+/// Threads per block of the GEMV kernels (`GEMV_WARPS` warps in kernels.cu).
+pub const GEMV_THREADS: u32 = 128;
 /// Threads per block of the attention kernels (`ATTN_THREADS` in kernels.cu).
 pub const ATTN_THREADS: u32 = 128;
 /// Largest head_dim the attention kernels take (`ATTN_MAX_D` in kernels.cu).
@@ -35,6 +39,8 @@ pub const ATTN_MAX_D: usize = 512;
 pub enum Arg {
     /// A device pointer.
     Ptr(u64),
+    /// A pointer to element `.0` (u32) of the step's staged host data (see `step`).
+    Stage(u32),
     U32(u32),
     I32(i32),
     U64(u64),
@@ -42,9 +48,11 @@ pub enum Arg {
 }
 
 impl Arg {
-    fn slot(self) -> u64 {
+    /// The slot's value, with staged pointers resolved against the staging buffer's address.
+    pub fn slot(self, stage_base: u64) -> u64 {
         match self {
             Arg::Ptr(p) | Arg::U64(p) => p,
+            Arg::Stage(off) => stage_base + 4 * off as u64,
             Arg::U32(v) => v as u64,
             Arg::I32(v) => v as u32 as u64,
             Arg::F32(v) => v.to_bits() as u64,
@@ -139,6 +147,7 @@ kernels!(
     embed_f32,
     embed_bf16,
     rms_norm,
+    add_rms_norm,
     rope,
     head_gate,
     gather_rows,
@@ -148,10 +157,15 @@ kernels!(
     f32_to_bf16_kernel,
     matmul_f32w,
     matmul_bf16w,
+    gemv_bf16w,
+    gemv_geglu_bf16w,
     kv_append,
     attn_stats,
     attn_accum,
+    attn_scores,
+    attn_pv,
     attn_reduce,
+    attn_softmax,
 );
 
 /// A launch shape.
@@ -164,22 +178,35 @@ pub fn blocks_for(n: usize) -> u32 {
     n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32
 }
 
-/// Launch `f` on `stream` with `args` (which must match the kernel's parameter list).
-pub fn launch(stream: &Arc<CudaStream>, f: &CudaFunction, what: &str, c: LaunchConfig, args: &[Arg]) -> Result<()> {
-    if c.grid_dim.0 == 0 || c.grid_dim.1 == 0 {
-        return Ok(());
-    }
-    let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
-    let mut b = stream.launch_builder(f);
-    for s in &slots {
-        b.arg(s);
-    }
+/// Launch `f` on `stream` now with `args` (which must match the kernel's parameter list),
+/// staged pointers resolved against `stage_base`; with profiling, between two events.
+pub fn launch_now(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    what: &str,
+    c: LaunchConfig,
+    args: &[Arg],
+    stage_base: u64,
+) -> Result<()> {
+    let mut slots: Vec<u64> = args.iter().map(|a| a.slot(stage_base)).collect();
+    let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
     let t0 = crate::profile::start(stream);
     // SAFETY: the callers pass, in order, one argument per parameter of the kernel named `what`
     // (each signature is written next to its call in lib.rs), with device pointers to live
-    // buffers of the sizes the kernel indexes (checked by the callers' shape checks); each value
-    // is read by the driver from its 64-bit slot, alive until `launch` returns.
-    unsafe { b.launch(c) }.map(|_| ()).map_err(|e| err(&format!("launching {what}"), e))?;
+    // buffers of the sizes the kernel indexes (checked by the callers' shape checks, and kept
+    // alive until the step has run); each value is read by the driver from its 64-bit slot in
+    // `slots`, alive until this call returns.
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            f.cu_function(),
+            c.grid_dim,
+            c.block_dim,
+            c.shared_mem_bytes,
+            stream.cu_stream(),
+            &mut params,
+        )
+    }
+    .map_err(|e| err(&format!("launching {what}"), e))?;
     crate::profile::end(stream, t0, || format!("{what} [{}x{}]", c.grid_dim.0, c.grid_dim.1));
     if debug_sync() {
         stream.synchronize().map_err(|e| err(&format!("running {what} (SPARK_CUDA_DEBUG_SYNC)"), e))?;

@@ -14,6 +14,8 @@
 //! - [`kv`]: the K/V cache in device memory (ring for sliding layers, growing for full).
 //! - [`plugin`]: the backend as a factory, exported as the `spark_backend_v1` plugin entry.
 //! - [`profile`]: `SPARK_CUDA_PROFILE=1`, GPU time per kernel and GEMM shape.
+//! - [`step`]: the launches of a step, recorded and run at its end, as a CUDA graph where a step
+//!   repeats (decode).
 
 pub mod device;
 pub mod gemm;
@@ -21,11 +23,15 @@ pub mod kernels;
 pub mod kv;
 pub mod plugin;
 pub mod profile;
+pub mod step;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    ValidAsZeroBits,
+};
 use spark_core::backend::{AttnChunk, AttnShape, Backend, WeightRole};
 use spark_core::config::GateAct;
 use spark_core::kv::{KvKind, KvSpec};
@@ -34,14 +40,76 @@ use spark_core::weights::Tensor as HostTensor;
 use spark_core::{DType, Error, ErrorKind, Result};
 
 use device::{err, guard, DeviceFacts, Libs};
-use kernels::{blocks_for, cfg, launch, Arg, Kernels, ATTN_MAX_D, ATTN_THREADS, THREADS};
+use kernels::{blocks_for, cfg, launch_now, Arg, Kernels, ATTN_MAX_D, ATTN_THREADS, THREADS};
 pub use kv::CudaKv;
+use step::{Rec, Step};
 
-/// A row-major `[rows, cols]` f32 activation buffer in device memory.
+/// A row-major `[rows, cols]` f32 activation buffer in device memory; its buffer goes back to
+/// the backend's pool when it is dropped.
 pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
-    pub buf: CudaSlice<f32>,
+    /// Always Some until the tensor is dropped.
+    buf: Option<CudaSlice<f32>>,
+    pool: Arc<Mutex<Pool>>,
+}
+
+impl CudaTensor {
+    pub fn buf(&self) -> &CudaSlice<f32> {
+        self.buf.as_ref().expect("a live tensor has its buffer")
+    }
+
+    pub fn buf_mut(&mut self) -> &mut CudaSlice<f32> {
+        self.buf.as_mut().expect("a live tensor has its buffer")
+    }
+}
+
+impl Drop for CudaTensor {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            lock(&self.pool).put(buf);
+        }
+    }
+}
+
+/// Activation buffers kept for reuse, by length. The same sequence of allocations in a step gets
+/// the same buffers as in the step before (last in, first out), so a repeated decode step
+/// launches with the same pointers and can replay a CUDA graph. Reused buffers are not zeroed:
+/// every op writes the whole of its output.
+#[derive(Default)]
+struct Pool {
+    free: std::collections::HashMap<usize, Vec<CudaSlice<f32>>>,
+    /// Buffers beyond the pool's bounds, freed after the step that may still use them has been
+    /// launched (a free is ordered on the stream).
+    evicted: Vec<CudaSlice<f32>>,
+}
+
+/// Buffers kept per length, and lengths kept.
+const POOL_PER_LEN: usize = 16;
+const POOL_LENS: usize = 64;
+
+impl Pool {
+    fn take(&mut self, len: usize) -> Option<CudaSlice<f32>> {
+        self.free.get_mut(&len).and_then(|v| v.pop())
+    }
+
+    fn put(&mut self, buf: CudaSlice<f32>) {
+        let len = buf.len();
+        if !self.free.contains_key(&len) && self.free.len() >= POOL_LENS {
+            self.evicted.push(buf);
+            return;
+        }
+        let v = self.free.entry(len).or_default();
+        if v.len() >= POOL_PER_LEN {
+            self.evicted.push(buf);
+        } else {
+            v.push(buf);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// An uploaded weight: a vector (`rows == 1`) or an `[rows, cols]` matrix, f32 or bf16 bytes.
@@ -65,23 +133,28 @@ pub struct CudaRope {
 struct Scratch {
     /// bf16 copy of a GEMM input.
     bf16: Option<CudaSlice<u16>>,
-    /// Attention split statistics and partial outputs.
+    /// Attention split statistics, scores and partial outputs.
     stats: Option<CudaSlice<f32>>,
+    scores: Option<CudaSlice<f32>>,
+    /// Dense prefill attention: scores, probabilities (bf16 or f32) and the chunk's bf16 QKV.
+    dense_s: Option<CudaSlice<f32>>,
+    dense_p: Option<CudaSlice<f32>>,
+    dense_q: Option<CudaSlice<u16>>,
     partial: Option<CudaSlice<f32>>,
-    /// The positions last given to `rope`, and their device copy (every layer of a step passes
-    /// the same positions: one upload per step).
-    positions: Vec<u32>,
-    positions_dev: Option<CudaSlice<u32>>,
 }
 
-/// Make `slot` hold at least `n` elements.
-fn ensure<T: DeviceRepr + ValidAsZeroBits>(
+/// Make `slot` hold at least `n` elements. A replaced buffer goes to `keep`: launches recorded
+/// earlier in the step may use it.
+fn ensure<T: DeviceRepr + ValidAsZeroBits + Send + 'static>(
     stream: &Arc<CudaStream>,
     slot: &mut Option<CudaSlice<T>>,
     n: usize,
+    keep: &mut Vec<Box<dyn std::any::Any + Send>>,
 ) -> Result<()> {
     if slot.as_ref().is_none_or(|s| s.len() < n) {
-        *slot = None;
+        if let Some(old) = slot.take() {
+            keep.push(Box::new(old));
+        }
         *slot = Some(stream.alloc_zeros::<T>(n.max(1)).map_err(|e| err("allocating scratch memory", e))?);
     }
     Ok(())
@@ -95,7 +168,32 @@ pub struct CudaBackend {
     k: Kernels,
     facts: DeviceFacts,
     libs: Libs,
+    opts: Options,
     scratch: Mutex<Scratch>,
+    step: Mutex<Step>,
+    pool: Arc<Mutex<Pool>>,
+}
+
+/// Which kernels the backend uses; every choice computes the same arithmetic (the parity tests
+/// run each).
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// cuBLAS for the GEMMs where it is found (else the fallback GEMM kernels).
+    pub cublas: bool,
+    /// The small-batch GEMV kernel for bf16 weights and at most 16 rows.
+    pub gemv: bool,
+    /// The scored attention kernels where they apply (else the ones that recompute scores).
+    pub scored_attention: bool,
+    /// Replay repeated steps (decode) as CUDA graphs.
+    pub graphs: bool,
+    /// Attention of a chunk that starts its sequence as cuBLAS GEMMs (where cuBLAS is found).
+    pub dense_prefill: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { cublas: true, gemv: true, scored_attention: true, graphs: true, dense_prefill: true }
+    }
 }
 
 /// The kernels' rounding mode for `round` (0 = f32, 1 = bf16).
@@ -106,6 +204,12 @@ fn mode(round: DType) -> Result<i32> {
         DType::F16 => Err(Error::unsupported("cuda backend: f16 compute is not implemented (use --dtype bf16 or f32)")),
     }
 }
+
+/// The most attention scores (f32) the scored kernels keep in device memory at once (256 MiB);
+/// a larger chunk-by-context product takes the kernels that recompute them.
+const SCORES_MAX: usize = 1 << 26;
+/// The fewest rows a chunk needs for the dense prefill attention.
+const DENSE_MIN_ROWS: usize = 32;
 
 fn check(cond: bool, what: &str) -> Result<()> {
     if cond {
@@ -121,15 +225,22 @@ fn u32_of(v: usize, what: &str) -> Result<u32> {
 
 impl CudaBackend {
     /// Open device `ordinal`: checks the driver library and the device, loads the kernels and
-    /// cuBLAS. `SPARK_CUDA_NO_CUBLAS=1` forces the fallback GEMM kernels.
+    /// cuBLAS. `SPARK_CUDA_NO_CUBLAS=1` forces the fallback GEMM kernels, `SPARK_CUDA_NO_GRAPHS=1`
+    /// launches every step kernel by kernel.
     pub fn new(ordinal: usize) -> Result<Self> {
-        let no_cublas = std::env::var("SPARK_CUDA_NO_CUBLAS").is_ok_and(|v| v == "1");
-        Self::with_options(ordinal, !no_cublas)
+        let off = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+        Self::with_options(
+            ordinal,
+            Options {
+                cublas: !off("SPARK_CUDA_NO_CUBLAS"),
+                graphs: !off("SPARK_CUDA_NO_GRAPHS"),
+                ..Options::default()
+            },
+        )
     }
 
-    /// As [`CudaBackend::new`], choosing whether to use cuBLAS (where it is found) or the
-    /// fallback GEMM kernels (tests compare the two).
-    pub fn with_options(ordinal: usize, cublas: bool) -> Result<Self> {
+    /// As [`CudaBackend::new`], choosing the kernels (tests compare the choices).
+    pub fn with_options(ordinal: usize, opts: Options) -> Result<Self> {
         let libs = Libs::detect();
         let n = device::device_count(&libs)?;
         if n == 0 {
@@ -153,7 +264,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = guard("creating a stream", || ctx.new_stream().map_err(|e| err("creating a stream", e)))?;
         let k = Kernels::load(&ctx, facts.cc, libs.nvrtc)?;
-        let blas = if libs.cublas && cublas {
+        let blas = if libs.cublas && opts.cublas {
             match guard("cuBLAS", || CudaBlas::new(stream.clone()).map_err(|e| err("creating a cuBLAS handle", e))) {
                 Ok(b) => Some(b),
                 Err(e) => {
@@ -164,7 +275,18 @@ impl CudaBackend {
         } else {
             None
         };
-        Ok(CudaBackend { ctx, stream, blas, k, facts, libs, scratch: Mutex::new(Scratch::default()) })
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            blas,
+            k,
+            facts,
+            libs,
+            opts,
+            scratch: Mutex::new(Scratch::default()),
+            step: Mutex::new(Step::default()),
+            pool: Arc::new(Mutex::new(Pool::default())),
+        })
     }
 
     pub fn facts(&self) -> &DeviceFacts {
@@ -177,9 +299,135 @@ impl CudaBackend {
             "sm_{}{}, {}, kernels: {}",
             self.facts.cc.0,
             self.facts.cc.1,
-            if self.blas.is_some() { "cuBLAS" } else { "fallback GEMM" },
+            match (self.blas.is_some(), self.opts.gemv) {
+                (true, true) => "cuBLAS + GEMV",
+                (true, false) => "cuBLAS",
+                (false, true) => "fallback GEMM + GEMV",
+                (false, false) => "fallback GEMM",
+            },
             self.k.source
         )
+    }
+
+    /// Attention of a chunk that starts its sequence (every key is the chunk's own) as two
+    /// batched cuBLAS GEMMs per KV head around the `attn_softmax` kernel (see kernels.cu).
+    fn attention_dense(
+        &self,
+        qkv: &CudaTensor,
+        chunk: AttnChunk,
+        shape: AttnShape,
+        out: &mut CudaTensor,
+        md: i32,
+    ) -> Result<()> {
+        let (h, kvh, d) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+        let (n, c, g) = (chunk.len, qkv.cols, h / kvh);
+        let bf16 = md == 1;
+        let esz = if bf16 { 2 } else { 4 } as u64;
+        let i = |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::invalid(format!("attention: {what} {v}")));
+        let mut s = self.scratch();
+        let mut keep = vec![];
+        ensure(&self.stream, &mut s.dense_s, h * n * n, &mut keep)?;
+        ensure(&self.stream, &mut s.dense_p, h * n * n, &mut keep)?;
+        let qkv_rows = self.ptr(qkv.buf()) + (chunk.row * c * 4) as u64;
+        let base = if bf16 {
+            ensure(&self.stream, &mut s.dense_q, n * c, &mut keep)?;
+            let qb = self.ptr_mut(s.dense_q.as_mut().expect("ensured"));
+            // f32_to_bf16_kernel(x, out, n): the chunk's rows (bf16 values already).
+            self.launch(
+                &self.k.f32_to_bf16_kernel,
+                "f32_to_bf16",
+                cfg((blocks_for(n * c), 1), THREADS, 0),
+                &[Arg::Ptr(qkv_rows), Arg::Ptr(qb), Arg::U64((n * c) as u64)],
+            )?;
+            qb
+        } else {
+            qkv_rows
+        };
+        self.step().keep.extend(keep);
+        let sp = self.ptr_mut(s.dense_s.as_mut().expect("ensured"));
+        let pp = self.ptr_mut(s.dense_p.as_mut().expect("ensured"));
+        drop(s);
+        let (ni, di, ci, nn) = (i(n, "rows")?, i(d, "head_dim")?, i(c, "qkv cols")?, (n * n) as i64);
+        let psz = esz;
+        for kv_head in 0..kvh {
+            let q0 = kv_head * g;
+            // S_h (keys x queries, column-major, ld n) = K^T-op(K) Q for the g query heads of
+            // this KV head: A = K (d x n, ld c, transposed), B = Q_h (d x n, ld c), stride d.
+            self.step().recs.push(Rec::Gemm(step::GemmRec {
+                ta: true,
+                tb: false,
+                m: ni,
+                n: ni,
+                k: di,
+                a: base + ((h + kv_head) * d) as u64 * esz,
+                lda: ci,
+                stride_a: 0,
+                b: base + (q0 * d) as u64 * esz,
+                ldb: ci,
+                stride_b: d as i64,
+                c: sp + (q0 * n * n * 4) as u64,
+                ldc: ni,
+                stride_c: nn,
+                batch: i(g, "group")?,
+                bf16,
+            }));
+        }
+        // attn_softmax(S, P, n, n_heads, window, scale, mode, p_bf16); one block per (query, head).
+        self.launch(
+            &self.k.attn_softmax,
+            "attn_softmax",
+            cfg((u32_of(n * h, "attention rows")?, 1), THREADS, 0),
+            &[
+                Arg::Ptr(sp),
+                Arg::Ptr(pp),
+                Arg::U32(n as u32),
+                Arg::U32(h as u32),
+                Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
+                Arg::F32(shape.scale),
+                Arg::I32(md),
+                Arg::I32(bf16 as i32),
+            ],
+        )?;
+        let oc = out.cols;
+        let o0 = self.ptr_mut(out.buf_mut()) + (chunk.row * oc * 4) as u64;
+        for kv_head in 0..kvh {
+            let q0 = kv_head * g;
+            // O_h (d x queries, ld out cols) = V (d x keys, ld c) P_h (keys x queries, ld n).
+            self.step().recs.push(Rec::Gemm(step::GemmRec {
+                ta: false,
+                tb: false,
+                m: di,
+                n: ni,
+                k: ni,
+                a: base + ((h + kvh + kv_head) * d) as u64 * esz,
+                lda: ci,
+                stride_a: 0,
+                b: pp + (q0 * n * n) as u64 * psz,
+                ldb: ni,
+                stride_b: nn,
+                c: o0 + (q0 * d * 4) as u64,
+                ldc: i(oc, "out cols")?,
+                stride_c: d as i64,
+                batch: i(g, "group")?,
+                bf16,
+            }));
+        }
+        if md != 0 {
+            // round_inplace(x, n, mode): o = rnd(sum p v).
+            self.launch(
+                &self.k.round_inplace,
+                "round",
+                cfg((blocks_for(n * oc), 1), THREADS, 0),
+                &[Arg::Ptr(o0), Arg::U64((n * oc) as u64), Arg::I32(md)],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// CUDA graphs captured so far, and steps run as a graph.
+    pub fn graph_counts(&self) -> (u64, u64) {
+        let st = self.step();
+        (st.captured, st.replayed)
     }
 
     pub fn libs(&self) -> Libs {
@@ -187,7 +435,96 @@ impl CudaBackend {
     }
 
     fn scratch(&self) -> MutexGuard<'_, Scratch> {
-        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.scratch)
+    }
+
+    fn step(&self) -> MutexGuard<'_, Step> {
+        lock(&self.step)
+    }
+
+    /// Record a launch of `f` (run when the step runs: see [`step`]).
+    fn launch(&self, f: &CudaFunction, what: &'static str, c: LaunchConfig, args: &[Arg]) -> Result<()> {
+        if c.grid_dim.0 == 0 || c.grid_dim.1 == 0 {
+            return Ok(());
+        }
+        let mut st = self.step();
+        if st.recs.is_empty() && profile::steps() {
+            st.first_rec = Some(std::time::Instant::now());
+        }
+        st.recs.push(Rec::Kernel { f: f.clone(), what, cfg: c, args: args.to_vec() });
+        Ok(())
+    }
+
+    /// Run the recorded step: upload its staged data, then replay a captured graph of the same
+    /// launches, capture one (the second time this launch list is seen), or launch one by one.
+    fn flush(&self) -> Result<()> {
+        let mut st = self.step();
+        if st.recs.is_empty() {
+            st.clear();
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        let r = self.run_step(&mut st);
+        if let Some(t) = st.first_rec.take() {
+            st.times.steps += 1;
+            st.times.record += (t0 - t).as_secs_f64();
+            st.times.launch += t0.elapsed().as_secs_f64();
+        }
+        st.clear();
+        // Pool buffers evicted during the step: their frees are ordered after its launches.
+        lock(&self.pool).evicted.clear();
+        r
+    }
+
+    fn run_step(&self, st: &mut Step) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| err("binding the context", e))?;
+        let mut base = 0;
+        if !st.stage.is_empty() {
+            let n = st.stage.len();
+            if st.stage_dev.as_ref().is_none_or(|d| d.len() < n) {
+                st.stage_dev = None;
+                st.stage_dev =
+                    Some(self.stream.alloc_zeros::<u32>(n.next_power_of_two()).map_err(|e| err("staging memory", e))?);
+            }
+            let dev = st.stage_dev.as_mut().expect("allocated above");
+            self.stream.memcpy_htod(&st.stage, &mut dev.slice_mut(0..n)).map_err(|e| err("uploading step data", e))?;
+            base = dev.device_ptr(&self.stream).0;
+        }
+        let graphs = self.opts.graphs && !profile::enabled() && !kernels::debug_sync();
+        if graphs {
+            if let Some(sig) = st.signature(base) {
+                if let Some(i) = st.graphs.iter().position(|g| g.sig == sig) {
+                    st.replayed += 1;
+                    return st.graphs[i].graph.0.launch().map_err(|e| err("launching a CUDA graph", e));
+                }
+                if st.should_capture(&sig) {
+                    self.stream.begin_capture(step::CAPTURE_MODE).map_err(|e| err("beginning a graph capture", e))?;
+                    let r = self.launch_all(st, base);
+                    let g = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                    r?;
+                    let g = g.map_err(|e| err("capturing a CUDA graph", e))?;
+                    if let Some(g) = g {
+                        st.captured += 1;
+                        st.replayed += 1;
+                        let g = st.keep_graph(sig, g);
+                        return g.launch().map_err(|e| err("launching a CUDA graph", e));
+                    }
+                    return Err(Error::internal("cuda: an empty graph was captured"));
+                }
+            }
+        }
+        self.launch_all(st, base)
+    }
+
+    /// Launch every recorded operation of `st` in order.
+    fn launch_all(&self, st: &Step, base: u64) -> Result<()> {
+        for r in &st.recs {
+            match r {
+                Rec::Kernel { f, what, cfg, args } => launch_now(&self.stream, f, what, *cfg, args, base)?,
+                Rec::Gemm(g) => gemm::run_gemm(self, g)?,
+            }
+        }
+        Ok(())
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
@@ -284,10 +621,18 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         self.ctx.bind_to_thread().map_err(|e| err("binding the context", e))?;
-        let buf = self.stream.alloc_zeros::<f32>((rows * cols).max(1)).map_err(|e| {
-            Error::new(ErrorKind::OutOfMemory, format!("cuda: allocating a [{rows}, {cols}] activation buffer: {e:?}"))
-        })?;
-        Ok(CudaTensor { rows, cols, buf })
+        let len = (rows * cols).max(1);
+        let reused = lock(&self.pool).take(len);
+        let buf = match reused {
+            Some(b) => b,
+            None => self.stream.alloc_zeros::<f32>(len).map_err(|e| {
+                Error::new(
+                    ErrorKind::OutOfMemory,
+                    format!("cuda: allocating a [{rows}, {cols}] activation buffer: {e:?}"),
+                )
+            })?,
+        };
+        Ok(CudaTensor { rows, cols, buf: Some(buf), pool: self.pool.clone() })
     }
 
     fn kv_alloc(&self, spec: &KvSpec) -> Result<CudaKv> {
@@ -300,6 +645,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_clone(&self, kv: &CudaKv) -> Result<CudaKv> {
+        self.flush()?;
         kv.try_clone(&self.stream)
     }
 
@@ -312,24 +658,25 @@ impl Backend for CudaBackend {
         if let Some(&bad) = ids.iter().find(|&&i| i as usize >= table.rows) {
             return Err(Error::invalid(format!("token id {bad} is outside the embedding table ({} rows)", table.rows)));
         }
+        // A new step begins: run what an earlier one left unread (a prefill chunk with no logits).
+        self.flush()?;
         if ids.is_empty() {
             return Ok(());
         }
-        let ids_dev = self.upload(ids, "token ids")?;
+        let ids_off = self.step().stage(ids);
         let f = match table.dtype {
             DType::F32 => &self.k.embed_f32,
             _ => &self.k.embed_bf16,
         };
         // embed_{f32,bf16}(table, ids, out, cols); one block per row.
-        launch(
-            &self.stream,
+        self.launch(
             f,
             "embed",
             cfg((u32_of(ids.len(), "rows")?, 1), THREADS, 0),
             &[
                 Arg::Ptr(self.ptr(&table.buf)),
-                Arg::Ptr(self.ptr(&ids_dev)),
-                Arg::Ptr(self.ptr_mut(&mut out.buf)),
+                Arg::Stage(ids_off),
+                Arg::Ptr(self.ptr_mut(out.buf_mut())),
                 Arg::U32(u32_of(out.cols, "cols")?),
             ],
         )
@@ -341,15 +688,14 @@ impl Backend for CudaBackend {
             return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
         }
         // rms_norm(x, w, out, cols, eps, mode); one block per row.
-        launch(
-            &self.stream,
+        self.launch(
             &self.k.rms_norm,
             "rms_norm",
             cfg((u32_of(x.rows, "rows")?, 1), THREADS, 0),
             &[
-                Arg::Ptr(self.ptr(&x.buf)),
+                Arg::Ptr(self.ptr(x.buf())),
                 Arg::Ptr(self.ptr(&w.buf)),
-                Arg::Ptr(self.ptr_mut(&mut out.buf)),
+                Arg::Ptr(self.ptr_mut(out.buf_mut())),
                 Arg::U32(u32_of(x.cols, "cols")?),
                 Arg::F32(eps),
                 Arg::I32(mode(round)?),
@@ -384,21 +730,15 @@ impl Backend for CudaBackend {
         if positions.is_empty() || half == 0 {
             return Ok(());
         }
-        let mut s = self.scratch();
-        if s.positions != positions || s.positions_dev.is_none() {
-            s.positions_dev = Some(self.upload(positions, "positions")?);
-            s.positions = positions.to_vec();
-        }
-        let pos = self.ptr(s.positions_dev.as_ref().expect("uploaded above"));
+        let pos = self.step().stage_positions(positions);
         // rope(qkv, pos, cos, sin, cols, n_rot_heads, head_dim, half, mode); one block per row.
-        launch(
-            &self.stream,
+        self.launch(
             &self.k.rope,
             "rope",
             cfg((u32_of(qkv.rows, "rows")?, 1), THREADS, 0),
             &[
-                Arg::Ptr(self.ptr_mut(&mut qkv.buf)),
-                Arg::Ptr(pos),
+                Arg::Ptr(self.ptr_mut(qkv.buf_mut())),
+                Arg::Stage(pos),
                 Arg::Ptr(self.ptr(&table.cos)),
                 Arg::Ptr(self.ptr(&table.sin)),
                 Arg::U32(u32_of(qkv.cols, "cols")?),
@@ -446,84 +786,136 @@ impl Backend for CudaBackend {
         let end = chunk.start_pos + chunk.len;
         kv.reserve(&self.stream, end)?;
         let md = mode(round)?;
-        let rows_h = chunk.len * h;
-        // Split-K: enough blocks to fill the device twice over, at least 64 keys per split.
-        let max_keys = shape.window.map_or(end, |w| w.min(end));
-        let target = 2 * self.facts.sms.max(1) as usize;
-        let nsplit = if rows_h >= target { 1 } else { target.div_ceil(rows_h).min(max_keys.div_ceil(64)).clamp(1, 64) };
-        let mut s = self.scratch();
-        ensure(&self.stream, &mut s.stats, 2 * rows_h * nsplit)?;
-        ensure(&self.stream, &mut s.partial, rows_h * nsplit * d)?;
-        let stats = self.ptr_mut(s.stats.as_mut().expect("ensured"));
-        let partial = self.ptr_mut(s.partial.as_mut().expect("ensured"));
-        let (kc, vc) = kv.ptrs(&self.stream);
-        let common = [
-            Arg::Ptr(self.ptr(&qkv.buf)),
-            Arg::Ptr(kc),
-            Arg::Ptr(vc),
-            Arg::U32(u32_of(qkv.cols, "qkv cols")?),
-            Arg::U32(u32_of(chunk.row, "row")?),
-            Arg::U32(u32_of(chunk.start_pos, "start position")?),
-            Arg::U32(h as u32),
-            Arg::U32(kvh as u32),
-            Arg::U32(d as u32),
-            Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
-            Arg::U32(u32_of(kv.ring(), "ring")?),
-            Arg::U32(nsplit as u32),
-            Arg::I32(kv.is_bf16() as i32),
-            Arg::I32(md),
-            Arg::F32(shape.scale),
-        ];
-        let grid = (u32_of(rows_h, "attention rows")?, nsplit as u32);
-        let d4 = (d * 4) as u32;
-        // attn_stats(ATTN_PARAMS, stats)
-        let mut a = common.to_vec();
-        a.push(Arg::Ptr(stats));
-        launch(&self.stream, &self.k.attn_stats, "attn_stats", cfg(grid, ATTN_THREADS, d4), &a)?;
-        // attn_accum(ATTN_PARAMS, stats, partial)
-        let mut a = common.to_vec();
-        a.push(Arg::Ptr(stats));
-        a.push(Arg::Ptr(partial));
-        let shared = d4 * (1 + ATTN_THREADS / 32);
-        launch(&self.stream, &self.k.attn_accum, "attn_accum", cfg(grid, ATTN_THREADS, shared), &a)?;
-        // attn_reduce(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode)
-        launch(
-            &self.stream,
-            &self.k.attn_reduce,
-            "attn_reduce",
-            cfg((grid.0, 1), ATTN_THREADS, 0),
-            &[
-                Arg::Ptr(partial),
-                Arg::Ptr(self.ptr_mut(&mut out.buf)),
-                Arg::U32(u32_of(out.cols, "cols")?),
-                Arg::U32(chunk.row as u32),
-                Arg::U32(h as u32),
-                Arg::U32(d as u32),
-                Arg::U32(nsplit as u32),
-                Arg::I32(md),
-            ],
-        )?;
-        drop(s);
-        // Append the chunk's K/V (only the last `window` positions, for a ring).
+        // Append the chunk's K/V after the attention (only the last `window` positions, for a
+        // ring); the chunk's start and first appended position are staged.
         let first = match kv.spec.kind {
             KvKind::Ring { window } => end.saturating_sub(window).max(chunk.start_pos),
             KvKind::Grow { .. } => chunk.start_pos,
         };
+        let dyn_off = self.step().stage(&[u32_of(chunk.start_pos, "start position")?, u32_of(first, "first")?]);
+        let dense = self.opts.dense_prefill
+            && self.blas.is_some()
+            && chunk.start_pos == 0
+            && chunk.len >= DENSE_MIN_ROWS
+            && h * chunk.len * chunk.len <= SCORES_MAX;
+        if dense {
+            self.attention_dense(qkv, chunk, shape, out, md)?;
+        } else {
+            let rows_h = chunk.len * h;
+            let max_keys = shape.window.map_or(end, |w| w.min(end));
+            // The scored kernels (each score computed once, vector loads) take head dims that are
+            // powers of two from 32 to 512, where the scores fit the scratch limit; else the
+            // kernels that recompute the scores in the second pass.
+            let scored = self.opts.scored_attention
+                && d.is_power_of_two()
+                && (32..=512).contains(&d)
+                && rows_h * max_keys <= SCORES_MAX;
+            // The scores' row stride and the split count follow the cache's capacity where that
+            // fits (a decode step then launches the same at every position: one CUDA graph), else
+            // the keys this chunk sees.
+            let cap_keys = shape.window.map_or(kv.slots, |w| w.min(kv.slots)).max(max_keys);
+            let keys = if scored && rows_h * cap_keys <= SCORES_MAX { cap_keys } else { max_keys };
+            // Split-K: enough blocks to fill the device twice over, with at least 32 (scored) or 64
+            // keys per split.
+            let target = 2 * self.facts.sms.max(1) as usize;
+            let per_split = if scored { 32 } else { 64 };
+            let nsplit =
+                if rows_h >= target { 1 } else { target.div_ceil(rows_h).min(keys.div_ceil(per_split)).clamp(1, 64) };
+            let mut s = self.scratch();
+            let mut keep = vec![];
+            ensure(&self.stream, &mut s.stats, 2 * rows_h * nsplit, &mut keep)?;
+            ensure(&self.stream, &mut s.partial, rows_h * nsplit * d, &mut keep)?;
+            if scored {
+                ensure(&self.stream, &mut s.scores, rows_h * keys, &mut keep)?;
+            }
+            self.step().keep.extend(keep);
+            let stats = self.ptr_mut(s.stats.as_mut().expect("ensured"));
+            let partial = self.ptr_mut(s.partial.as_mut().expect("ensured"));
+            let (kc, vc) = kv.ptrs(&self.stream);
+            let common = [
+                Arg::Ptr(self.ptr(qkv.buf())),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::U32(u32_of(qkv.cols, "qkv cols")?),
+                Arg::U32(u32_of(chunk.row, "row")?),
+                Arg::Stage(dyn_off),
+                Arg::U32(h as u32),
+                Arg::U32(kvh as u32),
+                Arg::U32(d as u32),
+                Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
+                Arg::U32(u32_of(kv.ring(), "ring")?),
+                Arg::U32(nsplit as u32),
+                Arg::I32(kv.is_bf16() as i32),
+                Arg::I32(md),
+                Arg::F32(shape.scale),
+            ];
+            let grid = (u32_of(rows_h, "attention rows")?, nsplit as u32);
+            let d4 = (d * 4) as u32;
+            if scored {
+                let scores = self.ptr_mut(s.scores.as_mut().expect("ensured"));
+                // attn_scores(ATTN_PARAMS, max_keys, scores, stats)
+                let mut a = common.to_vec();
+                a.extend([Arg::U32(u32_of(keys, "keys")?), Arg::Ptr(scores), Arg::Ptr(stats)]);
+                self.launch(&self.k.attn_scores, "attn_scores", cfg(grid, ATTN_THREADS, 0), &a)?;
+                // attn_pv(ATTN_PARAMS, max_keys, scores, stats, partial)
+                let mut a = common.to_vec();
+                a.extend([Arg::U32(keys as u32), Arg::Ptr(scores), Arg::Ptr(stats), Arg::Ptr(partial)]);
+                self.launch(&self.k.attn_pv, "attn_pv", cfg(grid, ATTN_THREADS, d4 * (ATTN_THREADS / 32)), &a)?;
+            } else {
+                // attn_stats(ATTN_PARAMS, stats)
+                let mut a = common.to_vec();
+                a.push(Arg::Ptr(stats));
+                self.launch(&self.k.attn_stats, "attn_stats", cfg(grid, ATTN_THREADS, d4), &a)?;
+                // attn_accum(ATTN_PARAMS, stats, partial)
+                let mut a = common.to_vec();
+                a.push(Arg::Ptr(stats));
+                a.push(Arg::Ptr(partial));
+                let shared = d4 * (1 + ATTN_THREADS / 32);
+                self.launch(&self.k.attn_accum, "attn_accum", cfg(grid, ATTN_THREADS, shared), &a)?;
+            }
+            // attn_reduce(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode, qkv, kc, vc,
+            // qkv_cols, dyn = [start, first], n_kv_heads, ring, kv_bf16): also the KV append.
+            self.launch(
+                &self.k.attn_reduce,
+                "attn_reduce",
+                cfg((grid.0, 1), ATTN_THREADS, 0),
+                &[
+                    Arg::Ptr(partial),
+                    Arg::Ptr(self.ptr_mut(out.buf_mut())),
+                    Arg::U32(u32_of(out.cols, "cols")?),
+                    Arg::U32(chunk.row as u32),
+                    Arg::U32(h as u32),
+                    Arg::U32(d as u32),
+                    Arg::U32(nsplit as u32),
+                    Arg::I32(md),
+                    Arg::Ptr(self.ptr(qkv.buf())),
+                    Arg::Ptr(kc),
+                    Arg::Ptr(vc),
+                    Arg::U32(qkv.cols as u32),
+                    Arg::Stage(dyn_off),
+                    Arg::U32(kvh as u32),
+                    Arg::U32(kv.ring() as u32),
+                    Arg::I32(kv.is_bf16() as i32),
+                ],
+            )?;
+            drop(s);
+            kv.len = end;
+            return Ok(());
+        }
         let (kc, vc) = kv.ptrs(&self.stream);
-        // kv_append(qkv, kc, vc, qkv_cols, row0, start, first, qd, kvd, ring, kv_bf16); one block per position.
-        launch(
-            &self.stream,
+        // The dense path's KV append: kv_append(qkv, kc, vc, qkv_cols, row0, dyn = [start, first],
+        // qd, kvd, ring, kv_bf16); one block per position.
+        self.launch(
             &self.k.kv_append,
             "kv_append",
             cfg((u32_of(end - first, "positions")?, 1), THREADS, 0),
             &[
-                Arg::Ptr(self.ptr(&qkv.buf)),
+                Arg::Ptr(self.ptr(qkv.buf())),
                 Arg::Ptr(kc),
                 Arg::Ptr(vc),
                 Arg::U32(qkv.cols as u32),
                 Arg::U32(chunk.row as u32),
-                Arg::U32(chunk.start_pos as u32),
-                Arg::U32(u32_of(first, "first")?),
+                Arg::Stage(dyn_off),
                 Arg::U32((h * d) as u32),
                 Arg::U32((kvh * d) as u32),
                 Arg::U32(kv.ring() as u32),
@@ -548,14 +940,13 @@ impl Backend for CudaBackend {
             GateAct::Silu => 1,
         };
         // head_gate(attn, g, n_heads, head_dim, act, mode); one block per row.
-        launch(
-            &self.stream,
+        self.launch(
             &self.k.head_gate,
             "head_gate",
             cfg((u32_of(attn.rows, "rows")?, 1), THREADS, 0),
             &[
-                Arg::Ptr(self.ptr_mut(&mut attn.buf)),
-                Arg::Ptr(self.ptr(&g.buf)),
+                Arg::Ptr(self.ptr_mut(attn.buf_mut())),
+                Arg::Ptr(self.ptr(g.buf())),
                 Arg::U32(u32_of(g.cols, "heads")?),
                 Arg::U32(u32_of(head_dim, "head_dim")?),
                 Arg::I32(act),
@@ -568,15 +959,14 @@ impl Backend for CudaBackend {
         let n = gate.rows * gate.cols;
         check(up.rows * up.cols == n && out.rows * out.cols == n, "geglu")?;
         // geglu(g, u, out, n, mode)
-        launch(
-            &self.stream,
+        self.launch(
             &self.k.geglu,
             "geglu",
             cfg(Self::elementwise_blocks(n), THREADS, 0),
             &[
-                Arg::Ptr(self.ptr(&gate.buf)),
-                Arg::Ptr(self.ptr(&up.buf)),
-                Arg::Ptr(self.ptr_mut(&mut out.buf)),
+                Arg::Ptr(self.ptr(gate.buf())),
+                Arg::Ptr(self.ptr(up.buf())),
+                Arg::Ptr(self.ptr_mut(out.buf_mut())),
                 Arg::U64(n as u64),
                 Arg::I32(mode(round)?),
             ],
@@ -587,12 +977,11 @@ impl Backend for CudaBackend {
         let n = h.rows * h.cols;
         check(x.rows * x.cols == n, "add")?;
         // add_inplace(h, x, n)
-        launch(
-            &self.stream,
+        self.launch(
             &self.k.add_inplace,
             "add",
             cfg(Self::elementwise_blocks(n), THREADS, 0),
-            &[Arg::Ptr(self.ptr_mut(&mut h.buf)), Arg::Ptr(self.ptr(&x.buf)), Arg::U64(n as u64)],
+            &[Arg::Ptr(self.ptr_mut(h.buf_mut())), Arg::Ptr(self.ptr(x.buf())), Arg::U64(n as u64)],
         )
     }
 
@@ -602,17 +991,16 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        let idx_dev = self.upload(&idx, "row indices")?;
+        let idx_off = self.step().stage(&idx);
         // gather_rows(x, rows, out, cols); one block per output row.
-        launch(
-            &self.stream,
+        self.launch(
             &self.k.gather_rows,
             "gather_rows",
             cfg((u32_of(rows.len(), "rows")?, 1), THREADS, 0),
             &[
-                Arg::Ptr(self.ptr(&x.buf)),
-                Arg::Ptr(self.ptr(&idx_dev)),
-                Arg::Ptr(self.ptr_mut(&mut out.buf)),
+                Arg::Ptr(self.ptr(x.buf())),
+                Arg::Stage(idx_off),
+                Arg::Ptr(self.ptr_mut(out.buf_mut())),
                 Arg::U32(u32_of(x.cols, "cols")?),
             ],
         )
@@ -621,19 +1009,120 @@ impl Backend for CudaBackend {
     fn read(&self, x: &CudaTensor, out: &mut [f32]) -> Result<()> {
         let n = x.rows * x.cols;
         check(out.len() == n, "read")?;
+        self.flush()?;
         if n == 0 {
             return Ok(());
         }
-        self.stream.memcpy_dtoh(&x.buf.slice(0..n), out).map_err(|e| err("reading results", e))?;
+        let t0 = std::time::Instant::now();
+        self.stream.memcpy_dtoh(&x.buf().slice(0..n), out).map_err(|e| err("reading results", e))?;
         self.stream.synchronize().map_err(|e| err("running the step", e))?;
+        if profile::steps() {
+            self.step().times.wait += t0.elapsed().as_secs_f64();
+        }
         self.ctx.check_err().map_err(|e| err("an earlier asynchronous operation", e))?;
         profile::collect();
         Ok(())
+    }
+
+    fn end_step(&self) -> Result<()> {
+        self.flush()
+    }
+
+    fn matmul_pair(
+        &self,
+        x: &CudaTensor,
+        w1: &CudaWeight,
+        out1: &mut CudaTensor,
+        w2: &CudaWeight,
+        out2: &mut CudaTensor,
+        round: DType,
+    ) -> Result<()> {
+        if !(gemm::gemv_takes(self, x, w1) && gemm::gemv_takes(self, x, w2)) {
+            self.matmul(x, w1, out1, round)?;
+            return self.matmul(x, w2, out2, round);
+        }
+        check(
+            out1.rows == x.rows && out1.cols == w1.rows && out2.rows == x.rows && out2.cols == w2.rows,
+            "matmul_pair",
+        )?;
+        gemm::gemv_pair(self, x, (w1, out1), (w2, out2), round)
+    }
+
+    fn matmul_geglu(
+        &self,
+        x: &CudaTensor,
+        w_gate: &CudaWeight,
+        w_up: &CudaWeight,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+        out: &mut CudaTensor,
+        round: DType,
+    ) -> Result<()> {
+        let fused = gemm::gemv_takes(self, x, w_gate) && gemm::gemv_takes(self, x, w_up) && w_gate.rows == w_up.rows;
+        if !fused {
+            self.matmul(x, w_gate, gate, round)?;
+            self.matmul(x, w_up, up, round)?;
+            return self.geglu(gate, up, out, round);
+        }
+        check(out.rows == x.rows && out.cols == w_gate.rows, "matmul_geglu")?;
+        gemm::gemv_geglu(self, x, w_gate, w_up, out, round)
+    }
+
+    fn add_rms_norm(
+        &self,
+        h: &mut CudaTensor,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        out: &mut CudaTensor,
+        round: DType,
+    ) -> Result<()> {
+        check(
+            x.rows == h.rows
+                && x.cols == h.cols
+                && out.rows == h.rows
+                && out.cols == h.cols
+                && w.rows * w.cols == h.cols,
+            "add_rms_norm",
+        )?;
+        if w.dtype != DType::F32 {
+            return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
+        }
+        // add_rms_norm(h, x, w, out, cols, eps, mode); one block per row.
+        self.launch(
+            &self.k.add_rms_norm,
+            "add_rms_norm",
+            cfg((u32_of(h.rows, "rows")?, 1), THREADS, 0),
+            &[
+                Arg::Ptr(self.ptr_mut(h.buf_mut())),
+                Arg::Ptr(self.ptr(x.buf())),
+                Arg::Ptr(self.ptr(&w.buf)),
+                Arg::Ptr(self.ptr_mut(out.buf_mut())),
+                Arg::U32(u32_of(h.cols, "cols")?),
+                Arg::F32(eps),
+                Arg::I32(mode(round)?),
+            ],
+        )
     }
 }
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if profile::steps() {
+            let st = self.step();
+            let t = st.times;
+            let per = |v: f64| 1e6 * v / t.steps.max(1) as f64;
+            eprintln!(
+                "cuda steps: {} ({} as CUDA graphs, {} captured); host time per step: recording {:.1} us, \
+                 uploading and launching {:.1} us, waiting for the result {:.1} us",
+                t.steps,
+                st.replayed,
+                st.captured,
+                per(t.record),
+                per(t.launch),
+                per(t.wait)
+            );
+        }
         profile::report();
     }
 }

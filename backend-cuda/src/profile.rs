@@ -1,6 +1,8 @@
 //! `SPARK_CUDA_PROFILE=1`: GPU time per kernel and per GEMM shape, measured with CUDA events
-//! around every launch, summed when a step's results are read, and printed to stderr when the
-//! backend is dropped. Off by default (the events add a little host time per launch).
+//! around every launch (steps then run kernel by kernel, not as CUDA graphs), summed when a
+//! step's results are read, and printed to stderr when the backend is dropped.
+//! `SPARK_CUDA_PROFILE=steps`: host time per step (recording, launching, waiting), graphs kept.
+//! Both off by default.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -24,6 +26,12 @@ struct Profile {
 fn profile() -> &'static Mutex<Profile> {
     static P: OnceLock<Mutex<Profile>> = OnceLock::new();
     P.get_or_init(|| Mutex::new(Profile::default()))
+}
+
+/// Whether host step times are kept (`SPARK_CUDA_PROFILE=steps`).
+pub fn steps() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SPARK_CUDA_PROFILE").is_ok_and(|v| v == "steps"))
 }
 
 /// A start event on `stream` (timing enabled), or None when profiling is off or it fails.

@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 
 use spark_backend_cuda::device::Libs;
-use spark_backend_cuda::{kernels, plugin, CudaBackend};
+use spark_backend_cuda::{kernels, plugin, CudaBackend, Options};
 use spark_core::{Executor, LogitsMode, Model, ModelOptions, SeqStep};
 use spark_tests::*;
 
@@ -24,13 +24,13 @@ const F32_TOL: f32 = 1e-4;
 const BF16_TOL: Bf16Tol = Bf16Tol { max: 1.6e-2, mean: 1.5e-3, greedy_up_to_ties: true };
 
 /// The backend on device 0, or None (with the visible skip line) where there is none usable.
-fn backend(cublas: bool) -> Option<CudaBackend> {
+fn backend(opts: Options) -> Option<CudaBackend> {
     let devs = plugin::probe();
     if !devs.iter().any(|d| d.usable) {
         eprintln!("skipped: no CUDA device ({})", devs.first().map_or("", |d| d.note.as_str()));
         return None;
     }
-    let b = CudaBackend::with_options(0, cublas).expect("opening device 0");
+    let b = CudaBackend::with_options(0, opts).expect("opening device 0");
     eprintln!("cuda device: {} ({})", b.facts().name, b.describe());
     Some(b)
 }
@@ -44,32 +44,79 @@ fn check_f32(b: CudaBackend, label: &str) {
     check_f32_parity(&mut m, &m8_golden(), F32_TOL, label);
 }
 
+/// The kernels that are not the default: the fallback GEMM, no GEMV, attention that recomputes
+/// its scores.
+const FALLBACKS: Options =
+    Options { cublas: false, gemv: false, scored_attention: false, graphs: false, dense_prefill: false };
+
 #[test]
 fn f32_parity_with_cublas() {
-    if let Some(b) = backend(true) {
+    if let Some(b) = backend(Options::default()) {
         check_f32(b, "cublas");
     }
 }
 
 #[test]
-fn f32_parity_with_fallback_gemm() {
-    if let Some(b) = backend(false) {
-        check_f32(b, "fallback gemm");
+fn f32_parity_with_fallback_kernels() {
+    if let Some(b) = backend(FALLBACKS) {
+        check_f32(b, "fallback gemm, recomputing attention");
     }
 }
 
 #[test]
 fn chunked_prefill_and_batching_match_one_shot() {
-    let Some(b) = backend(true) else { return };
+    let Some(b) = backend(Options::default()) else { return };
     let mut m = model(b, "testdata/golden/m8/ckpt_f32");
     check_chunked_prefill_batching_and_forks(&mut m, &m8_golden(), F32_TOL, &[ForkCheck::ContinuesExactly]);
 }
 
 #[test]
 fn bf16_checkpoint_matches_bf16_reference() {
-    let Some(b) = backend(true) else { return };
+    let Some(b) = backend(Options::default()) else { return };
     let mut m = model(b, "testdata/golden/m8/ckpt_bf16");
-    check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "cuda bf16 m8");
+    check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "cuda bf16 m8 (GEMV, scored and dense attention, graphs)");
+}
+
+#[test]
+fn bf16_checkpoint_matches_bf16_reference_without_gemv_or_scored_attention() {
+    let opts = Options { gemv: false, scored_attention: false, dense_prefill: false, ..Options::default() };
+    let Some(b) = backend(opts) else { return };
+    let mut m = model(b, "testdata/golden/m8/ckpt_bf16");
+    check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "cuda bf16 m8 (cuBLAS, recomputing attention)");
+}
+
+/// Decode steps replayed as CUDA graphs give the same bits as the same launches one by one, and
+/// graphs are in fact used (bf16 m8: every GEMM on the GEMV kernel, so decode steps repeat).
+#[test]
+fn graph_replay_matches_launching_one_by_one() {
+    let Some(b) = backend(Options::default()) else { return };
+    let Some(b2) = backend(Options { graphs: false, ..Options::default() }) else { return };
+    let mut with = model(b, "testdata/golden/m8/ckpt_bf16");
+    let mut without = model(b2, "testdata/golden/m8/ckpt_bf16");
+    let vocab = with.info().vocab;
+    let run = |m: &mut dyn Executor| -> Vec<f32> {
+        let prompt: Vec<u32> = (0..12).map(|i| 3 + i * 7).collect();
+        let mut row = vec![0.0; vocab];
+        m.forward(&[SeqStep { seq_id: 1, tokens: &prompt, start_pos: 0, logits: LogitsMode::Last }], &mut row).unwrap();
+        let mut all = row.clone();
+        // Past the 16-token window of m8's sliding layers (the ring wraps) and a growth of the
+        // full layers' cache.
+        for i in 0..300u32 {
+            let tok = [argmax(&row) as u32];
+            m.forward(&[SeqStep { seq_id: 1, tokens: &tok, start_pos: 12 + i, logits: LogitsMode::Last }], &mut row)
+                .unwrap();
+            all.extend_from_slice(&row);
+        }
+        m.release(1);
+        all
+    };
+    let a = run(&mut with);
+    let b = run(&mut without);
+    let (captured, replayed) = with.backend().graph_counts();
+    eprintln!("graphs: {captured} captured, {replayed} steps replayed of 300");
+    assert_eq!(without.backend().graph_counts(), (0, 0));
+    assert!(replayed >= 250, "decode steps were not replayed as graphs ({replayed})");
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "graph replay differs from launching one by one");
 }
 
 /// With `SPARK_CUDA_CHECK_CKPT=DIR` (a real-shape checkpoint, e.g. `spark-run gen-random --shape
@@ -84,7 +131,7 @@ fn cpu_and_cuda_agree_on_a_real_shape_checkpoint() {
         eprintln!("skipped: SPARK_CUDA_CHECK_CKPT not set");
         return;
     };
-    let Some(b) = backend(true) else { return };
+    let Some(b) = backend(Options::default()) else { return };
     let len: usize = std::env::var("SPARK_CUDA_CHECK_LEN").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
     let opts = ModelOptions { ctx: Some(len + 16), ..Default::default() };
     let mut gpu = Model::load(b, std::path::Path::new(&dir), &opts).unwrap();
@@ -117,13 +164,25 @@ fn cpu_and_cuda_agree_on_a_real_shape_checkpoint() {
         all
     };
     let g = run(&mut gpu);
+    drop(gpu);
     let c = run(&mut cpu);
+    // The same with cuBLAS only and the attention that recomputes scores: agrees with the above.
+    let opts2 = Options { gemv: false, scored_attention: false, dense_prefill: false, ..Options::default() };
+    let b = backend(opts2).expect("device 0");
+    let mut gpu2 = Model::load(b, std::path::Path::new(&dir), &opts).unwrap();
+    let g2 = run(&mut gpu2);
+    let (d2, mean2) = (max_abs_diff(&g, &g2), mean_abs_diff(&g, &g2));
+    let agree2 = g.chunks(vocab).zip(g2.chunks(vocab)).filter(|(a, b)| argmax(a) == argmax(b)).count();
+    eprintln!(
+        "real shape: default kernels vs cuBLAS + recomputing attention: max {d2:e}, mean {mean2:e}, argmax {agree2}/5"
+    );
     let mag = c.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let (d, mean) = (max_abs_diff(&g, &c), mean_abs_diff(&g, &c));
     let agree = g.chunks(vocab).zip(c.chunks(vocab)).filter(|(a, b)| argmax(a) == argmax(b)).count();
     eprintln!("real shape: max |cuda - cpu| {d:e}, mean {mean:e}, max |logit| {mag:e}, argmax agreement {agree}/5");
     assert!(mean < 0.01 * mag, "mean diff {mean:e} vs max |logit| {mag:e}");
     assert!(agree >= 4, "argmax agreement {agree}/5");
+    assert!(mean2 < 0.01 * mag && agree2 >= 4, "the two CUDA kernel choices disagree");
 }
 
 #[test]
@@ -144,7 +203,7 @@ fn probe_and_open_never_panic() {
             plugin::open(&repo().join("testdata/golden/m8/ckpt_f32"), &Default::default()).err().expect("no device");
         eprintln!("open: {e}");
         assert!(!e.message.is_empty());
-        let e = CudaBackend::with_options(0, true).err().expect("no device");
+        let e = CudaBackend::with_options(0, Options::default()).err().expect("no device");
         eprintln!("backend: {e}");
         assert!(!e.message.is_empty());
     }

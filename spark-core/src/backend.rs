@@ -133,6 +133,62 @@ pub trait Backend: Send {
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) -> Result<()>;
     /// Copy to host memory (`out.len() == rows * cols`).
     fn read(&self, x: &Self::Tensor, out: &mut [f32]) -> Result<()>;
+
+    // Fused forms of op sequences the graph runs. Each default is the sequence itself, so a
+    // backend overrides one only to run it in fewer passes, with the same arithmetic.
+
+    /// `out1 = x W1^T; out2 = x W2^T` (two projections of the same input).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_pair(
+        &self,
+        x: &Self::Tensor,
+        w1: &Self::Weight,
+        out1: &mut Self::Tensor,
+        w2: &Self::Weight,
+        out2: &mut Self::Tensor,
+        round: DType,
+    ) -> Result<()> {
+        self.matmul(x, w1, out1, round)?;
+        self.matmul(x, w2, out2, round)
+    }
+    /// `gate = x Wg^T; up = x Wu^T; out = geglu(gate, up)` (`gate` and `up` are scratch: a fused
+    /// form need not write them).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_geglu(
+        &self,
+        x: &Self::Tensor,
+        w_gate: &Self::Weight,
+        w_up: &Self::Weight,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+        round: DType,
+    ) -> Result<()> {
+        self.matmul(x, w_gate, gate, round)?;
+        self.matmul(x, w_up, up, round)?;
+        self.geglu(gate, up, out, round)
+    }
+    /// `h += x; out = rms_norm(h, w)`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Tensor,
+        round: DType,
+    ) -> Result<()> {
+        self.add(h, x)?;
+        self.rms_norm(h, w, eps, out, round)
+    }
+    /// The end of a step, whether or not it read anything back (and also after a step that
+    /// failed): a backend that defers its work (the CUDA backend records a step and runs it as a
+    /// whole) must have issued all of it before this returns, so that memory freed afterwards
+    /// (a released sequence's KV) is not used by work still pending.
+    fn end_step(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Which logits a sequence wants back from a step.

@@ -212,10 +212,13 @@ impl<B: Backend> Model<B> {
         let mut gu = b.alloc(n, cfg.intermediate)?;
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
 
+        // Each layer starts with x = attn_norm(h); the residual add that ends a layer is fused
+        // with the next layer's norm.
+        if let Some(l0) = self.layers.first() {
+            b.rms_norm(&h, &l0.attn_norm, cfg.rms_eps, &mut x, act)?;
+        }
         for (li, l) in self.layers.iter().enumerate() {
-            b.rms_norm(&h, &l.attn_norm, cfg.rms_eps, &mut x, act)?;
-            b.matmul(&x, &l.qkv, &mut qkv, act)?;
-            b.matmul(&x, &l.gate, &mut g, act)?;
+            b.matmul_pair(&x, &l.qkv, &mut qkv, &l.gate, &mut g, act)?;
             b.rope(&mut qkv, &positions, &self.ropes[l.kind.index()], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, act)?;
             let shape = AttnShape {
                 n_heads: cfg.n_heads,
@@ -233,14 +236,14 @@ impl<B: Backend> Model<B> {
             }
             b.head_gate(&mut attn, &g, cfg.gate_act, cfg.head_dim, act)?;
             b.matmul(&attn, &l.out, &mut o, act)?;
-            b.add(&mut h, &o)?;
+            b.add_rms_norm(&mut h, &o, &l.mlp_norm, cfg.rms_eps, &mut x, act)?;
 
-            b.rms_norm(&h, &l.mlp_norm, cfg.rms_eps, &mut x, act)?;
-            b.matmul(&x, &l.mlp_gate, &mut gate, act)?;
-            b.matmul(&x, &l.mlp_up, &mut up, act)?;
-            b.geglu(&gate, &up, &mut gu, act)?;
+            b.matmul_geglu(&x, &l.mlp_gate, &l.mlp_up, &mut gate, &mut up, &mut gu, act)?;
             b.matmul(&gu, &l.mlp_down, &mut o, act)?;
-            b.add(&mut h, &o)?;
+            match self.layers.get(li + 1) {
+                Some(next) => b.add_rms_norm(&mut h, &o, &next.attn_norm, cfg.rms_eps, &mut x, act)?,
+                None => b.add(&mut h, &o)?,
+            }
         }
 
         let mut want = Vec::new();
@@ -292,7 +295,10 @@ impl<B: Backend> Executor for Model<B> {
                 }
             }
         }
-        match self.run(batch, out) {
+        let r = self.run(batch, out);
+        // Also after an error: work issued before it runs before anything is freed.
+        let ended = self.backend.end_step();
+        match r.and(ended) {
             Ok(()) => {
                 for s in batch {
                     if let Some(seq) = self.seqs.get_mut(&s.seq_id) {
