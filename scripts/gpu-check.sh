@@ -129,6 +129,20 @@ run)
   else
     echo "note: this spark-run has no 'bench --batch'; batch 16 not measured"
   fi
+  for b in 4 8; do
+    step "bench cuda 1.7B bf16: tg128, batch $b"
+    timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 --batch $b --json \
+      | tee "$out/bench-b$b.jsonl" || status=1
+  done
+  step "bench cuda 1.7B bf16: tg128, batch 16, cuBLAS above 4 rows (SPARK_CUDA_GEMV_MAX_ROWS=4)"
+  SPARK_CUDA_GEMV_MAX_ROWS=4 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 \
+    --batch 16 --json | tee "$out/bench-b16-gemv4.jsonl" || status=1
+  step "bench cuda 1.7B bf16: tg128, batch 16, attention per sequence (SPARK_CUDA_NO_BATCH_ATTENTION=1)"
+  SPARK_CUDA_NO_BATCH_ATTENTION=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 \
+    --ctx-size 4096 --batch 16 --json | tee "$out/bench-b16-nobatchattn.jsonl" || status=1
+  step "bench cuda 1.7B bf16: tg128, batch 16, results read through pinned memory (SPARK_CUDA_PINNED_READ=1)"
+  SPARK_CUDA_PINNED_READ=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 \
+    --batch 16 --json | tee "$out/bench-b16-pinned.jsonl" || status=1
   step "bench cuda 1.7B bf16: tg128, batch 1, without CUDA graphs (SPARK_CUDA_NO_GRAPHS=1)"
   SPARK_CUDA_NO_GRAPHS=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 --json \
     | tee "$out/bench-b1-nographs.jsonl" || status=1
@@ -140,6 +154,9 @@ run)
 
   step "host time per step: tg128 batch 1 (SPARK_CUDA_PROFILE=steps)"
   SPARK_CUDA_PROFILE=steps timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096 2>&1 | grep -E 'cuda steps|tg128'
+  step "host time per step: tg128 batch 16 (SPARK_CUDA_PROFILE=steps)"
+  SPARK_CUDA_PROFILE=steps timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096 \
+    --batch 16 2>&1 | grep -E 'cuda steps|tg128'
 
   # A peer on the same GPU and checkpoint: the model in plain PyTorch (eager, and decode as a
   # torch CUDA graph), where python3 has torch (no other engine can be installed there).

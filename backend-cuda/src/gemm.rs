@@ -21,7 +21,7 @@ use spark_core::{DType, Error, Result};
 
 use crate::device::err;
 use crate::kernels::{blocks_for, cfg, Arg, GEMV_THREADS, THREADS};
-use crate::step::{GemmRec, Rec};
+use crate::step::GemmRec;
 use crate::{ensure, mode, CudaBackend, CudaTensor, CudaWeight};
 
 fn int(v: usize, what: &str) -> Result<i32> {
@@ -69,7 +69,7 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
     for m0 in (0..m).step_by(split) {
         let mm = split.min(m - m0);
         // out^T (m x n, ld m) = W^T (op T of a k x m matrix, ld k) * x^T (k x n, ld k).
-        b.step().recs.push(Rec::Gemm(GemmRec {
+        b.record_gemm(GemmRec {
             ta: true,
             tb: false,
             m: int(mm, "m")?,
@@ -86,7 +86,7 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
             stride_c: 0,
             batch: 1,
             bf16: w.dtype != DType::F32,
-        }));
+        })?;
     }
     if md != 0 {
         // round_inplace(x, n, mode)
@@ -183,7 +183,11 @@ pub const GEMV_MAX_ROWS: usize = 16;
 
 /// Whether the GEMV kernels take `x W^T` (bf16 weights, few rows, k a multiple of 8).
 pub fn gemv_takes(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight) -> bool {
-    b.opts.gemv && w.dtype == DType::BF16 && x.rows <= GEMV_MAX_ROWS && x.cols.is_multiple_of(8) && w.cols == x.cols
+    b.opts.gemv
+        && w.dtype == DType::BF16
+        && x.rows <= b.opts.gemv_max_rows.min(GEMV_MAX_ROWS)
+        && x.cols.is_multiple_of(8)
+        && w.cols == x.cols
 }
 
 fn gemv(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor, md: i32) -> Result<()> {

@@ -745,9 +745,9 @@ extern "C" __global__ void attn_softmax(const float* S, void* P, u32 n, u32 n_he
 // the cache by this chunk's attention (the kernels before this one), the KV append of kv_append:
 // the block of the first query head of each group writes its KV head's K and V of position
 // start + i (from dyn, as kv_append) when it is at least first.
-extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
-                                       u32 head_dim, u32 nsplit, int mode, const float* qkv, void* kc, void* vc,
-                                       u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16) {
+__device__ __forceinline__ void attn_reduce_row(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
+                                                u32 head_dim, u32 nsplit, int mode, const float* qkv, void* kc, void* vc,
+                                                u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16) {
     const u32 qh = blockIdx.x;
     const u32 i = qh / n_heads, h = qh % n_heads;
     const float* src = partial + (u64)qh * nsplit * head_dim;
@@ -772,4 +772,60 @@ extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out
             ((float*)vc)[at + e] = vx;
         }
     }
+}
+
+extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
+                                       u32 head_dim, u32 nsplit, int mode, const float* qkv, void* kc, void* vc,
+                                       u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16) {
+    attn_reduce_row(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode, qkv, kc, vc, qkv_cols, dyn,
+                    n_kv_heads, ring, kv_bf16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batched scored attention: the chunks of several sequences of one step (the same layer, so the
+// same shape) in one launch of each of attn_scores, attn_pv and attn_reduce. blockIdx.z picks a
+// chunk's entry of ATTN_ENTRY words in `table` (staged): row0, start, first, rows_h (query rows x
+// heads), nsplit, keys (score row stride), ring, K and V cache pointers (lo, hi words), and the
+// offsets (in floats) of its stats, partial outputs and scores in the shared scratch. grid.x and
+// grid.y cover the largest rows_h and nsplit; blocks beyond a chunk's return at once.
+
+#define ATTN_ENTRY 16
+
+__device__ __forceinline__ bool attn_entry(const u32* e, Attn& A, const float* qkv, u32 qkv_cols, u32 n_heads,
+                                           u32 n_kv_heads, u32 head_dim, u32 window, int kv_bf16, int mode, float scale) {
+    if (blockIdx.x >= e[3] || blockIdx.y >= e[4]) return false;
+    A.qkv = qkv;
+    A.kc = (const void*)((u64)e[7] | ((u64)e[8] << 32));
+    A.vc = (const void*)((u64)e[9] | ((u64)e[10] << 32));
+    A.qkv_cols = qkv_cols; A.row0 = e[0]; A.start = e[1];
+    A.n_heads = n_heads; A.n_kv_heads = n_kv_heads; A.head_dim = head_dim; A.window = window; A.ring = e[6];
+    A.nsplit = e[4]; A.kv_bf16 = kv_bf16; A.mode = mode; A.scale = scale;
+    return true;
+}
+
+#define ATTN_BATCH_PARAMS                                                                                      \
+    const float *qkv, u32 qkv_cols, u32 n_heads, u32 n_kv_heads, u32 head_dim, u32 window, int kv_bf16, int mode, \
+        float scale, const u32 *table
+
+extern "C" __global__ void attn_scores_batch(ATTN_BATCH_PARAMS, float* scores, float* stats) {
+    const u32* e = table + blockIdx.z * ATTN_ENTRY;
+    Attn A;
+    if (!attn_entry(e, A, qkv, qkv_cols, n_heads, n_kv_heads, head_dim, window, kv_bf16, mode, scale)) return;
+    ATTN_BY_DPL(attn_scores_impl, A, e[5], scores + e[13], stats + e[11])
+}
+
+extern "C" __global__ void attn_pv_batch(ATTN_BATCH_PARAMS, const float* scores, const float* stats, float* partial) {
+    const u32* e = table + blockIdx.z * ATTN_ENTRY;
+    Attn A;
+    if (!attn_entry(e, A, qkv, qkv_cols, n_heads, n_kv_heads, head_dim, window, kv_bf16, mode, scale)) return;
+    ATTN_BY_DPL(attn_pv_impl, A, e[5], scores + e[13], stats + e[11], partial + e[12])
+}
+
+extern "C" __global__ void attn_reduce_batch(ATTN_BATCH_PARAMS, const float* partial, float* out, u32 out_cols) {
+    const u32* e = table + blockIdx.z * ATTN_ENTRY;
+    if (blockIdx.x >= e[3]) return;
+    void* kc = (void*)((u64)e[7] | ((u64)e[8] << 32));
+    void* vc = (void*)((u64)e[9] | ((u64)e[10] << 32));
+    attn_reduce_row(partial + e[12], out, out_cols, e[0], n_heads, head_dim, e[4], mode, qkv, kc, vc, qkv_cols, e + 1,
+                    n_kv_heads, e[6], kv_bf16);
 }

@@ -29,6 +29,8 @@ pub const THREADS: u32 = 256;
 pub const GEMV_THREADS: u32 = 128;
 /// Threads per block of the attention kernels (`ATTN_THREADS` in kernels.cu).
 pub const ATTN_THREADS: u32 = 128;
+/// Words of one chunk's entry in a batched attention launch (`ATTN_ENTRY` in kernels.cu).
+pub const ATTN_ENTRY: usize = 16;
 /// Largest head_dim the attention kernels take (`ATTN_MAX_D` in kernels.cu).
 pub const ATTN_MAX_D: usize = 512;
 
@@ -165,6 +167,9 @@ kernels!(
     attn_scores,
     attn_pv,
     attn_reduce,
+    attn_scores_batch,
+    attn_pv_batch,
+    attn_reduce_batch,
     attn_softmax,
 );
 

@@ -165,6 +165,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: Option<CudaBlas>,
+    /// cuBLAS's workspace, only kept alive (declared after `blas`: dropped after the handle).
+    _blas_workspace: Option<CudaSlice<u8>>,
     k: Kernels,
     facts: DeviceFacts,
     libs: Libs,
@@ -172,6 +174,8 @@ pub struct CudaBackend {
     scratch: Mutex<Scratch>,
     step: Mutex<Step>,
     pool: Arc<Mutex<Pool>>,
+    /// Page-locked host memory for `read` (with `Options::pinned_read`).
+    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
 }
 
 /// Which kernels the backend uses; every choice computes the same arithmetic (the parity tests
@@ -188,11 +192,27 @@ pub struct Options {
     pub graphs: bool,
     /// Attention of a chunk that starts its sequence as cuBLAS GEMMs (where cuBLAS is found).
     pub dense_prefill: bool,
+    /// The decode chunks of a step's sequences in one batched attention launch per layer.
+    pub batch_attention: bool,
+    /// The most rows the GEMV kernels take (more go to cuBLAS), at most 16.
+    pub gemv_max_rows: usize,
+    /// Results read back through page-locked host memory (an experiment, off by default: not
+    /// yet measured on a GPU).
+    pub pinned_read: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { cublas: true, gemv: true, scored_attention: true, graphs: true, dense_prefill: true }
+        Options {
+            cublas: true,
+            gemv: true,
+            scored_attention: true,
+            graphs: true,
+            dense_prefill: true,
+            batch_attention: true,
+            gemv_max_rows: gemm::GEMV_MAX_ROWS,
+            pinned_read: false,
+        }
     }
 }
 
@@ -208,6 +228,10 @@ fn mode(round: DType) -> Result<i32> {
 /// The most attention scores (f32) the scored kernels keep in device memory at once (256 MiB);
 /// a larger chunk-by-context product takes the kernels that recompute them.
 const SCORES_MAX: usize = 1 << 26;
+/// The most token rows a step may have to be captured as a CUDA graph.
+const GRAPH_MAX_ROWS: usize = 64;
+/// Bytes of the cuBLAS workspace.
+const CUBLAS_WORKSPACE: usize = 32 << 20;
 /// The fewest rows a chunk needs for the dense prefill attention.
 const DENSE_MIN_ROWS: usize = 32;
 
@@ -226,7 +250,10 @@ fn u32_of(v: usize, what: &str) -> Result<u32> {
 impl CudaBackend {
     /// Open device `ordinal`: checks the driver library and the device, loads the kernels and
     /// cuBLAS. `SPARK_CUDA_NO_CUBLAS=1` forces the fallback GEMM kernels, `SPARK_CUDA_NO_GRAPHS=1`
-    /// launches every step kernel by kernel.
+    /// launches every step kernel by kernel, `SPARK_CUDA_NO_BATCH_ATTENTION=1` launches each
+    /// sequence's decode attention on its own, `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more
+    /// than N rows (at most 16) to cuBLAS instead of the GEMV kernels, `SPARK_CUDA_PINNED_READ=1`
+    /// reads results back through page-locked memory.
     pub fn new(ordinal: usize) -> Result<Self> {
         let off = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
         Self::with_options(
@@ -275,10 +302,35 @@ impl CudaBackend {
         } else {
             None
         };
+        // cuBLAS gets its own workspace, so that a GEMM captured into a CUDA graph allocates
+        // nothing.
+        let blas_workspace = match &blas {
+            Some(b) => {
+                let mut ws = stream
+                    .alloc_zeros::<u8>(CUBLAS_WORKSPACE)
+                    .map_err(|e| err("allocating the cuBLAS workspace", e))?;
+                let p = ws.device_ptr_mut(&stream).0;
+                // SAFETY: the handle is live; the workspace is CUBLAS_WORKSPACE bytes of device
+                // memory that this backend keeps (field `blas_workspace`, dropped after `blas`).
+                let st = unsafe {
+                    cudarc::cublas::sys::cublasSetWorkspace_v2(
+                        *b.handle(),
+                        p as *mut std::ffi::c_void,
+                        CUBLAS_WORKSPACE,
+                    )
+                };
+                if st != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    eprintln!("warning: cuda: cublasSetWorkspace: {st:?}");
+                }
+                Some(ws)
+            }
+            None => None,
+        };
         Ok(CudaBackend {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             k,
             facts,
             libs,
@@ -286,6 +338,7 @@ impl CudaBackend {
             scratch: Mutex::new(Scratch::default()),
             step: Mutex::new(Step::default()),
             pool: Arc::new(Mutex::new(Pool::default())),
+            pinned: Mutex::new(None),
         })
     }
 
@@ -353,7 +406,7 @@ impl CudaBackend {
             let q0 = kv_head * g;
             // S_h (keys x queries, column-major, ld n) = K^T-op(K) Q for the g query heads of
             // this KV head: A = K (d x n, ld c, transposed), B = Q_h (d x n, ld c), stride d.
-            self.step().recs.push(Rec::Gemm(step::GemmRec {
+            self.record_gemm(step::GemmRec {
                 ta: true,
                 tb: false,
                 m: ni,
@@ -370,7 +423,7 @@ impl CudaBackend {
                 stride_c: nn,
                 batch: i(g, "group")?,
                 bf16,
-            }));
+            })?;
         }
         // attn_softmax(S, P, n, n_heads, window, scale, mode, p_bf16); one block per (query, head).
         self.launch(
@@ -393,7 +446,7 @@ impl CudaBackend {
         for kv_head in 0..kvh {
             let q0 = kv_head * g;
             // O_h (d x queries, ld out cols) = V (d x keys, ld c) P_h (keys x queries, ld n).
-            self.step().recs.push(Rec::Gemm(step::GemmRec {
+            self.record_gemm(step::GemmRec {
                 ta: false,
                 tb: false,
                 m: di,
@@ -410,7 +463,7 @@ impl CudaBackend {
                 stride_c: d as i64,
                 batch: i(g, "group")?,
                 bf16,
-            }));
+            })?;
         }
         if md != 0 {
             // round_inplace(x, n, mode): o = rnd(sum p v).
@@ -444,9 +497,10 @@ impl CudaBackend {
 
     /// Record a launch of `f` (run when the step runs: see [`step`]).
     fn launch(&self, f: &CudaFunction, what: &'static str, c: LaunchConfig, args: &[Arg]) -> Result<()> {
-        if c.grid_dim.0 == 0 || c.grid_dim.1 == 0 {
+        if c.grid_dim.0 == 0 || c.grid_dim.1 == 0 || c.grid_dim.2 == 0 {
             return Ok(());
         }
+        self.emit_attention()?;
         let mut st = self.step();
         if st.recs.is_empty() && profile::steps() {
             st.first_rec = Some(std::time::Instant::now());
@@ -455,9 +509,93 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Record a cuBLAS GEMM (run when the step runs).
+    fn record_gemm(&self, g: step::GemmRec) -> Result<()> {
+        self.emit_attention()?;
+        let mut st = self.step();
+        if st.recs.is_empty() && profile::steps() {
+            st.first_rec = Some(std::time::Instant::now());
+        }
+        st.recs.push(Rec::Gemm(g));
+        Ok(())
+    }
+
+    /// Record the launches of the decode chunks' attention waiting in the step (one launch of
+    /// each batched kernel for all of them; see kernels.cu).
+    fn emit_attention(&self) -> Result<()> {
+        let pend = {
+            let mut st = self.step();
+            if st.pending_attn.is_empty() {
+                return Ok(());
+            }
+            std::mem::take(&mut st.pending_attn)
+        };
+        let k = pend[0].key;
+        let d = k.head_dim as usize;
+        let mut table = Vec::with_capacity(pend.len() * kernels::ATTN_ENTRY);
+        let (mut so, mut po, mut sco, mut rows, mut splits) = (0usize, 0usize, 0usize, 0u32, 0u32);
+        for p in &pend {
+            let (r, n) = (p.rows_h as usize, p.nsplit as usize);
+            let mut e = [0u32; kernels::ATTN_ENTRY];
+            e[..7].copy_from_slice(&[p.row0, p.start, p.first, p.rows_h, p.nsplit, p.keys, p.ring]);
+            e[7..11].copy_from_slice(&[p.kc as u32, (p.kc >> 32) as u32, p.vc as u32, (p.vc >> 32) as u32]);
+            e[11] = u32_of(so, "stats offset")?;
+            e[12] = u32_of(po, "partial offset")?;
+            e[13] = u32_of(sco, "scores offset")?;
+            table.extend_from_slice(&e);
+            so += 2 * r * n;
+            po += r * n * d;
+            sco += r * p.keys as usize;
+            rows = rows.max(p.rows_h);
+            splits = splits.max(p.nsplit);
+        }
+        let tab = self.step().stage(&table);
+        let mut s = self.scratch();
+        let mut keep = vec![];
+        ensure(&self.stream, &mut s.stats, so, &mut keep)?;
+        ensure(&self.stream, &mut s.partial, po, &mut keep)?;
+        ensure(&self.stream, &mut s.scores, sco, &mut keep)?;
+        self.step().keep.extend(keep);
+        let stats = self.ptr_mut(s.stats.as_mut().expect("ensured"));
+        let partial = self.ptr_mut(s.partial.as_mut().expect("ensured"));
+        let scores = self.ptr_mut(s.scores.as_mut().expect("ensured"));
+        drop(s);
+        let common = [
+            Arg::Ptr(k.qkv),
+            Arg::U32(k.qkv_cols),
+            Arg::U32(k.n_heads),
+            Arg::U32(k.n_kv_heads),
+            Arg::U32(k.head_dim),
+            Arg::U32(k.window),
+            Arg::I32(k.kv_bf16 as i32),
+            Arg::I32(k.mode),
+            Arg::F32(f32::from_bits(k.scale_bits)),
+            Arg::Stage(tab),
+        ];
+        let grid = |y: u32| LaunchConfig {
+            grid_dim: (rows, y, pend.len() as u32),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // attn_scores_batch(ATTN_BATCH_PARAMS, scores, stats)
+        let mut a = common.to_vec();
+        a.extend([Arg::Ptr(scores), Arg::Ptr(stats)]);
+        self.launch(&self.k.attn_scores_batch, "attn_scores_batch", grid(splits), &a)?;
+        // attn_pv_batch(ATTN_BATCH_PARAMS, scores, stats, partial)
+        let mut a = common.to_vec();
+        a.extend([Arg::Ptr(scores), Arg::Ptr(stats), Arg::Ptr(partial)]);
+        let pv = LaunchConfig { shared_mem_bytes: (d * 4) as u32 * (ATTN_THREADS / 32), ..grid(splits) };
+        self.launch(&self.k.attn_pv_batch, "attn_pv_batch", pv, &a)?;
+        // attn_reduce_batch(ATTN_BATCH_PARAMS, partial, out, out_cols): also the KV appends.
+        let mut a = common.to_vec();
+        a.extend([Arg::Ptr(partial), Arg::Ptr(k.out), Arg::U32(k.out_cols)]);
+        self.launch(&self.k.attn_reduce_batch, "attn_reduce_batch", grid(1), &a)
+    }
+
     /// Run the recorded step: upload its staged data, then replay a captured graph of the same
     /// launches, capture one (the second time this launch list is seen), or launch one by one.
     fn flush(&self) -> Result<()> {
+        self.emit_attention()?;
         let mut st = self.step();
         if st.recs.is_empty() {
             st.clear();
@@ -492,24 +630,34 @@ impl CudaBackend {
         }
         let graphs = self.opts.graphs && !profile::enabled() && !kernels::debug_sync();
         if graphs {
-            if let Some(sig) = st.signature(base) {
-                if let Some(i) = st.graphs.iter().position(|g| g.sig == sig) {
-                    st.replayed += 1;
-                    return st.graphs[i].graph.0.launch().map_err(|e| err("launching a CUDA graph", e));
-                }
-                if st.should_capture(&sig) {
-                    self.stream.begin_capture(step::CAPTURE_MODE).map_err(|e| err("beginning a graph capture", e))?;
-                    let r = self.launch_all(st, base);
-                    let g = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-                    r?;
-                    let g = g.map_err(|e| err("capturing a CUDA graph", e))?;
-                    if let Some(g) = g {
+            let sig = st.signature(base);
+            if let Some(i) = st.graphs.iter().position(|g| g.sig == sig) {
+                st.replayed += 1;
+                return st.graphs[i].graph.0.launch().map_err(|e| err("launching a CUDA graph", e));
+            }
+            // Only decode-like steps are captured: a prefill rarely repeats, and capturing one
+            // costs more than launching it.
+            if st.rows <= GRAPH_MAX_ROWS && st.should_capture(&sig) {
+                self.stream.begin_capture(step::CAPTURE_MODE).map_err(|e| err("beginning a graph capture", e))?;
+                let r = self.launch_all(st, base);
+                let g = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                match (r, g) {
+                    (Ok(()), Ok(Some(g))) => {
                         st.captured += 1;
                         st.replayed += 1;
                         let g = st.keep_graph(sig, g);
                         return g.launch().map_err(|e| err("launching a CUDA graph", e));
                     }
-                    return Err(Error::internal("cuda: an empty graph was captured"));
+                    // Nothing ran while capturing: run the step launch by launch, and never try
+                    // to capture this list again.
+                    (r, g) => {
+                        let why = r.err().map(|e| e.to_string()).or_else(|| g.err().map(|e| format!("{e:?}")));
+                        eprintln!(
+                            "note: cuda: a step could not be captured as a CUDA graph ({}); it runs kernel by kernel",
+                            why.unwrap_or_else(|| "empty graph".into())
+                        );
+                        st.capture_failed(&sig);
+                    }
                 }
             }
         }
@@ -663,7 +811,11 @@ impl Backend for CudaBackend {
         if ids.is_empty() {
             return Ok(());
         }
-        let ids_off = self.step().stage(ids);
+        let ids_off = {
+            let mut st = self.step();
+            st.rows = ids.len();
+            st.stage(ids)
+        };
         let f = match table.dtype {
             DType::F32 => &self.k.embed_f32,
             _ => &self.k.embed_bf16,
@@ -821,6 +973,42 @@ impl Backend for CudaBackend {
             let per_split = if scored { 32 } else { 64 };
             let nsplit =
                 if rows_h >= target { 1 } else { target.div_ceil(rows_h).min(keys.div_ceil(per_split)).clamp(1, 64) };
+            if self.opts.batch_attention && scored && rows_h < target {
+                // A decode chunk: launched with the step's other sequences' chunks of this layer.
+                let (kc, vc) = kv.ptrs(&self.stream);
+                let (first, start) = (u32_of(first, "first")?, u32_of(chunk.start_pos, "start position")?);
+                let key = step::AttnKey {
+                    qkv: self.ptr(qkv.buf()),
+                    qkv_cols: u32_of(qkv.cols, "qkv cols")?,
+                    out: self.ptr_mut(out.buf_mut()),
+                    out_cols: u32_of(out.cols, "cols")?,
+                    n_heads: h as u32,
+                    n_kv_heads: kvh as u32,
+                    head_dim: d as u32,
+                    window: u32_of(shape.window.unwrap_or(0), "window")?,
+                    scale_bits: shape.scale.to_bits(),
+                    mode: md,
+                    kv_bf16: kv.is_bf16(),
+                };
+                let differs = self.step().pending_attn.first().is_some_and(|p| p.key != key);
+                if differs {
+                    self.emit_attention()?;
+                }
+                self.step().pending_attn.push(step::PendingAttn {
+                    key,
+                    row0: u32_of(chunk.row, "row")?,
+                    start,
+                    first,
+                    rows_h: rows_h as u32,
+                    nsplit: nsplit as u32,
+                    keys: u32_of(keys, "keys")?,
+                    ring: u32_of(kv.ring(), "ring")?,
+                    kc,
+                    vc,
+                });
+                kv.len = end;
+                return Ok(());
+            }
             let mut s = self.scratch();
             let mut keep = vec![];
             ensure(&self.stream, &mut s.stats, 2 * rows_h * nsplit, &mut keep)?;
@@ -1014,8 +1202,24 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let t0 = std::time::Instant::now();
-        self.stream.memcpy_dtoh(&x.buf().slice(0..n), out).map_err(|e| err("reading results", e))?;
-        self.stream.synchronize().map_err(|e| err("running the step", e))?;
+        if self.opts.pinned_read {
+            // Through page-locked host memory (not write-combined: the CPU reads it back).
+            let mut p = lock(&self.pinned);
+            if p.as_ref().is_none_or(|b| b.len() < n) {
+                *p = None;
+                // SAFETY: the buffer's contents are only read after a copy of n elements into it.
+                *p = Some(
+                    unsafe { self.ctx.alloc_pinned_with_flags::<f32>(n, 0) }.map_err(|e| err("pinned memory", e))?,
+                );
+            }
+            let buf = p.as_mut().expect("allocated above");
+            self.stream.memcpy_dtoh(&x.buf().slice(0..n), buf).map_err(|e| err("reading results", e))?;
+            self.stream.synchronize().map_err(|e| err("running the step", e))?;
+            out.copy_from_slice(&buf.as_slice().map_err(|e| err("reading results", e))?[..n]);
+        } else {
+            self.stream.memcpy_dtoh(&x.buf().slice(0..n), out).map_err(|e| err("reading results", e))?;
+            self.stream.synchronize().map_err(|e| err("running the step", e))?;
+        }
         if profile::steps() {
             self.step().times.wait += t0.elapsed().as_secs_f64();
         }

@@ -9,7 +9,9 @@
 //! next. A step whose recorded launches (kernels, launch shapes, every argument) equal those of a
 //! step seen before is captured into a CUDA graph, which later equal steps replay with one
 //! launch. Because the whole launch list is the key, a replay does exactly what launching the
-//! records would. Steps with cuBLAS calls, profiled or debug-synchronized runs are not captured.
+//! records would. cuBLAS calls are captured too (the handle has its own workspace); a list whose
+//! capture fails runs launch by launch from then on. Profiled or debug-synchronized runs are not
+//! captured.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::VecDeque;
@@ -42,6 +44,37 @@ pub struct GemmRec {
     pub batch: i32,
     /// Whether A and B are bf16 (else f32).
     pub bf16: bool,
+}
+
+/// What every chunk of one batched attention launch shares (the layer's shape and buffers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnKey {
+    pub qkv: u64,
+    pub qkv_cols: u32,
+    pub out: u64,
+    pub out_cols: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    pub window: u32,
+    pub scale_bits: u32,
+    pub mode: i32,
+    pub kv_bf16: bool,
+}
+
+/// One chunk's attention, waiting to be launched with the other chunks of its step.
+#[derive(Debug, Clone, Copy)]
+pub struct PendingAttn {
+    pub key: AttnKey,
+    pub row0: u32,
+    pub start: u32,
+    pub first: u32,
+    pub rows_h: u32,
+    pub nsplit: u32,
+    pub keys: u32,
+    pub ring: u32,
+    pub kc: u64,
+    pub vc: u64,
 }
 
 /// One recorded operation.
@@ -82,6 +115,12 @@ pub struct Step {
     pub keep: Vec<Box<dyn std::any::Any + Send>>,
     pub graphs: VecDeque<Captured>,
     seen: VecDeque<u64>,
+    /// Launch lists whose capture failed (they run launch by launch).
+    never: Vec<u64>,
+    /// Decode chunks' attention, launched together when the next other operation is recorded.
+    pub pending_attn: Vec<PendingAttn>,
+    /// Token rows of the step (from its embedding lookup).
+    pub rows: usize,
     /// Graphs captured and graph launches (captures included), for tests and reports.
     pub captured: u64,
     pub replayed: u64,
@@ -124,14 +163,15 @@ impl Step {
     /// Forget the step (after it ran).
     pub fn clear(&mut self) {
         self.recs.clear();
+        self.rows = 0;
         self.stage.clear();
         self.last_positions = None;
         self.keep.clear();
     }
 
     /// The launch list with staged pointers resolved against `stage_base`, flattened for an exact
-    /// comparison, or None where it holds a cuBLAS call (not captured).
-    pub fn signature(&self, stage_base: u64) -> Option<Vec<u64>> {
+    /// comparison.
+    pub fn signature(&self, stage_base: u64) -> Vec<u64> {
         let mut sig = Vec::with_capacity(self.recs.len() * 16);
         for r in &self.recs {
             match r {
@@ -147,17 +187,47 @@ impl Step {
                     ]);
                     sig.extend(args.iter().map(|a| a.slot(stage_base)));
                 }
-                Rec::Gemm(_) => return None,
+                Rec::Gemm(g) => sig.extend([
+                    u64::MAX,
+                    g.ta as u64,
+                    g.tb as u64,
+                    g.m as u64,
+                    g.n as u64,
+                    g.k as u64,
+                    g.a,
+                    g.lda as u64,
+                    g.stride_a as u64,
+                    g.b,
+                    g.ldb as u64,
+                    g.stride_b as u64,
+                    g.c,
+                    g.ldc as u64,
+                    g.stride_c as u64,
+                    g.batch as u64,
+                    g.bf16 as u64,
+                ]),
             }
         }
-        Some(sig)
+        sig
+    }
+
+    fn hash(sig: &[u64]) -> u64 {
+        let mut h = DefaultHasher::new();
+        sig.hash(&mut h);
+        h.finish()
+    }
+
+    /// Remember that capturing `sig` failed.
+    pub fn capture_failed(&mut self, sig: &[u64]) {
+        self.never.push(Self::hash(sig));
     }
 
     /// Whether a graph should be captured for `sig` now: true the second time a list is seen.
     pub fn should_capture(&mut self, sig: &[u64]) -> bool {
-        let mut h = DefaultHasher::new();
-        sig.hash(&mut h);
-        let h = h.finish();
+        let h = Self::hash(sig);
+        if self.never.contains(&h) {
+            return false;
+        }
         if self.seen.contains(&h) {
             return true;
         }

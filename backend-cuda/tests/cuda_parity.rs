@@ -46,8 +46,16 @@ fn check_f32(b: CudaBackend, label: &str) {
 
 /// The kernels that are not the default: the fallback GEMM, no GEMV, attention that recomputes
 /// its scores.
-const FALLBACKS: Options =
-    Options { cublas: false, gemv: false, scored_attention: false, graphs: false, dense_prefill: false };
+const FALLBACKS: Options = Options {
+    cublas: false,
+    gemv: false,
+    scored_attention: false,
+    graphs: false,
+    dense_prefill: false,
+    batch_attention: false,
+    gemv_max_rows: 16,
+    pinned_read: false,
+};
 
 #[test]
 fn f32_parity_with_cublas() {
@@ -85,38 +93,87 @@ fn bf16_checkpoint_matches_bf16_reference_without_gemv_or_scored_attention() {
     check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "cuda bf16 m8 (cuBLAS, recomputing attention)");
 }
 
+/// Greedy decode of several sequences of different lengths, stepped together (batch decode),
+/// after each one's prefill; every step's logits, in order.
+fn decode_batch(m: &mut dyn Executor, seqs: usize, steps: usize) -> Vec<f32> {
+    let vocab = m.info().vocab;
+    let mut rows = vec![vec![0.0; vocab]; seqs];
+    let mut lens = vec![0u32; seqs];
+    let mut all = vec![];
+    for (s, row) in rows.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..5 + 9 * s as u32).map(|i| 3 + (i * 7 + s as u32) % 200).collect();
+        m.forward(&[SeqStep { seq_id: s as u64, tokens: &prompt, start_pos: 0, logits: LogitsMode::Last }], row)
+            .unwrap();
+        lens[s] = prompt.len() as u32;
+        all.extend_from_slice(row);
+    }
+    for _ in 0..steps {
+        let toks: Vec<[u32; 1]> = rows.iter().map(|r| [argmax(r) as u32]).collect();
+        let batch: Vec<SeqStep> = toks
+            .iter()
+            .enumerate()
+            .map(|(s, t)| SeqStep { seq_id: s as u64, tokens: t, start_pos: lens[s], logits: LogitsMode::Last })
+            .collect();
+        let mut out = vec![0.0; vocab * seqs];
+        m.forward(&batch, &mut out).unwrap();
+        for (s, r) in rows.iter_mut().enumerate() {
+            r.copy_from_slice(&out[s * vocab..(s + 1) * vocab]);
+            lens[s] += 1;
+        }
+        all.extend_from_slice(&out);
+    }
+    for s in 0..seqs {
+        m.release(s as u64);
+    }
+    all
+}
+
 /// Decode steps replayed as CUDA graphs give the same bits as the same launches one by one, and
-/// graphs are in fact used (bf16 m8: every GEMM on the GEMV kernel, so decode steps repeat).
+/// graphs are in fact used: with the GEMV kernels (bf16 m8, one sequence), and with cuBLAS GEMMs
+/// captured into the graphs (GEMV off, four sequences: the batched attention too).
 #[test]
 fn graph_replay_matches_launching_one_by_one() {
-    let Some(b) = backend(Options::default()) else { return };
-    let Some(b2) = backend(Options { graphs: false, ..Options::default() }) else { return };
-    let mut with = model(b, "testdata/golden/m8/ckpt_bf16");
-    let mut without = model(b2, "testdata/golden/m8/ckpt_bf16");
-    let vocab = with.info().vocab;
-    let run = |m: &mut dyn Executor| -> Vec<f32> {
-        let prompt: Vec<u32> = (0..12).map(|i| 3 + i * 7).collect();
-        let mut row = vec![0.0; vocab];
-        m.forward(&[SeqStep { seq_id: 1, tokens: &prompt, start_pos: 0, logits: LogitsMode::Last }], &mut row).unwrap();
-        let mut all = row.clone();
+    for (label, gemv, seqs) in [("GEMV", true, 1), ("cuBLAS", false, 4)] {
+        let Some(b) = backend(Options { gemv, ..Options::default() }) else { return };
+        let Some(b2) = backend(Options { gemv, graphs: false, ..Options::default() }) else { return };
+        let mut with = model(b, "testdata/golden/m8/ckpt_bf16");
+        let mut without = model(b2, "testdata/golden/m8/ckpt_bf16");
         // Past the 16-token window of m8's sliding layers (the ring wraps) and a growth of the
-        // full layers' cache.
-        for i in 0..300u32 {
-            let tok = [argmax(&row) as u32];
-            m.forward(&[SeqStep { seq_id: 1, tokens: &tok, start_pos: 12 + i, logits: LogitsMode::Last }], &mut row)
-                .unwrap();
-            all.extend_from_slice(&row);
-        }
-        m.release(1);
-        all
-    };
-    let a = run(&mut with);
-    let b = run(&mut without);
-    let (captured, replayed) = with.backend().graph_counts();
-    eprintln!("graphs: {captured} captured, {replayed} steps replayed of 300");
-    assert_eq!(without.backend().graph_counts(), (0, 0));
-    assert!(replayed >= 250, "decode steps were not replayed as graphs ({replayed})");
-    assert_eq!(max_abs_diff(&a, &b), 0.0, "graph replay differs from launching one by one");
+        // full layers' cache (256 positions).
+        let steps = 300 - 9 * seqs;
+        let a = decode_batch(&mut with, seqs, steps);
+        let b = decode_batch(&mut without, seqs, steps);
+        let (captured, replayed) = with.backend().graph_counts();
+        eprintln!("{label}: graphs: {captured} captured, {replayed} steps replayed of {steps}");
+        assert_eq!(without.backend().graph_counts(), (0, 0));
+        assert!(replayed as usize >= steps - 50, "{label}: decode steps were not replayed as graphs ({replayed})");
+        assert_eq!(max_abs_diff(&a, &b), 0.0, "{label}: graph replay differs from launching one by one");
+    }
+}
+
+/// The decode chunks of several sequences in one batched attention launch per layer give the
+/// same bits as one launch per sequence.
+#[test]
+fn batched_decode_attention_matches_per_sequence_launches() {
+    let Some(b) = backend(Options::default()) else { return };
+    let Some(b2) = backend(Options { batch_attention: false, ..Options::default() }) else { return };
+    let mut batched = model(b, "testdata/golden/m8/ckpt_bf16");
+    let mut single = model(b2, "testdata/golden/m8/ckpt_bf16");
+    let a = decode_batch(&mut batched, 5, 40);
+    let b = decode_batch(&mut single, 5, 40);
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "batched attention differs from per-sequence launches");
+}
+
+/// Results read back through page-locked memory are the same as through pageable memory.
+#[test]
+fn pinned_reads_match_pageable_reads() {
+    let Some(b) = backend(Options { pinned_read: true, ..Options::default() }) else { return };
+    let Some(b2) = backend(Options::default()) else { return };
+    let mut pinned = model(b, "testdata/golden/m8/ckpt_bf16");
+    let mut pageable = model(b2, "testdata/golden/m8/ckpt_bf16");
+    let a = decode_batch(&mut pinned, 3, 20);
+    let b = decode_batch(&mut pageable, 3, 20);
+    assert_eq!(max_abs_diff(&a, &b), 0.0, "pinned reads differ");
 }
 
 /// With `SPARK_CUDA_CHECK_CKPT=DIR` (a real-shape checkpoint, e.g. `spark-run gen-random --shape
