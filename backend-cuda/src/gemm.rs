@@ -63,31 +63,25 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
             xb
         }
     };
-    // SPARK_CUDA_GEMM_SPLIT=R (an experiment): GEMMs of more than R output columns run as
-    // several of at most R.
-    let split = gemm_split().unwrap_or(m).max(1);
-    for m0 in (0..m).step_by(split) {
-        let mm = split.min(m - m0);
-        // out^T (m x n, ld m) = W^T (op T of a k x m matrix, ld k) * x^T (k x n, ld k).
-        b.record_gemm(GemmRec {
-            ta: true,
-            tb: false,
-            m: int(mm, "m")?,
-            n: ni,
-            k: ki,
-            a: w_ptr + (m0 * k * w.dtype.size()) as u64,
-            lda: ki,
-            stride_a: 0,
-            b: x_ptr,
-            ldb: ki,
-            stride_b: 0,
-            c: out_ptr + (m0 * 4) as u64,
-            ldc: mi,
-            stride_c: 0,
-            batch: 1,
-            bf16: w.dtype != DType::F32,
-        })?;
-    }
+    // out^T (m x n, ld m) = W^T (op T of a k x m matrix, ld k) * x^T (k x n, ld k).
+    b.record_gemm(GemmRec {
+        ta: true,
+        tb: false,
+        m: mi,
+        n: ni,
+        k: ki,
+        a: w_ptr,
+        lda: ki,
+        stride_a: 0,
+        b: x_ptr,
+        ldb: ki,
+        stride_b: 0,
+        c: out_ptr,
+        ldc: mi,
+        stride_c: 0,
+        batch: 1,
+        bf16: w.dtype != DType::F32,
+    })?;
     if md != 0 {
         // round_inplace(x, n, mode)
         b.launch(
@@ -98,11 +92,6 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
         )?;
     }
     Ok(())
-}
-
-fn gemm_split() -> Option<usize> {
-    static S: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *S.get_or_init(|| std::env::var("SPARK_CUDA_GEMM_SPLIT").ok().and_then(|v| v.parse().ok()))
 }
 
 /// Run a recorded cuBLAS GEMM now (see [`matmul`]).
