@@ -468,28 +468,21 @@ __device__ __forceinline__ void attn_load_q(const Attn& A, float* q, u32 i, u32 
     A.n_heads = n_heads; A.n_kv_heads = n_kv_heads; A.head_dim = head_dim; A.window = window; A.ring = ring;    \
     A.nsplit = nsplit; A.kv_bf16 = kv_bf16; A.mode = mode; A.scale = scale;
 
-// stats[(qh * nsplit + split) * 2 + {0, 1}] = (max, sum of exp(s - max)) over the split's keys.
-extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
-    ATTN_INIT
-    extern __shared__ float sh[];
-    __shared__ float wm[ATTN_THREADS / 32], wl[ATTN_THREADS / 32];
-    const u32 qh = blockIdx.x, split = blockIdx.y;
-    const u32 i = qh / n_heads, h = qh % n_heads, kvh = h / (n_heads / n_kv_heads);
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float* q = sh;
-    attn_load_q(A, q, i, h);
-    u32 a, b;
-    attn_range(A, i, split, &a, &b);
-    float m = SPARK_NEG_INF, l = 0.0f;
-    for (u32 pos = a + warp; pos < b; pos += nw) {
-        const float s = attn_score(A, q, pos, kvh, lane);
-        if (s > m) {
-            l = l * expf(m - s) + 1.0f;
-            m = s;
-        } else {
-            l += expf(s - m);
-        }
+// One score s into a warp's running (max m, sum l of exp(score - m)).
+__device__ __forceinline__ void online_softmax(float s, float* m, float* l) {
+    if (s > *m) {
+        *l = *l * expf(*m - s) + 1.0f;
+        *m = s;
+    } else {
+        *l += expf(s - *m);
     }
+}
+
+// The block's (max, sum) from each warp's (m, l), written to out[0], out[1] by thread 0 (warps
+// that saw no key are skipped).
+__device__ __forceinline__ void split_stats(float m, float l, float* out) {
+    __shared__ float wm[ATTN_THREADS / 32], wl[ATTN_THREADS / 32];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane == 0) {
         wm[warp] = m;
         wl[warp] = l;
@@ -502,9 +495,25 @@ extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
         float L = 0.0f;
         for (u32 w = 0; w < nw; ++w)
             if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
-        stats[((u64)qh * nsplit + split) * 2 + 0] = M;
-        stats[((u64)qh * nsplit + split) * 2 + 1] = L;
+        out[0] = M;
+        out[1] = L;
     }
+}
+
+// stats[(qh * nsplit + split) * 2 + {0, 1}] = (max, sum of exp(s - max)) over the split's keys.
+extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
+    ATTN_INIT
+    extern __shared__ float sh[];
+    const u32 qh = blockIdx.x, split = blockIdx.y;
+    const u32 i = qh / n_heads, h = qh % n_heads, kvh = h / (n_heads / n_kv_heads);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float* q = sh;
+    attn_load_q(A, q, i, h);
+    u32 a, b;
+    attn_range(A, i, split, &a, &b);
+    float m = SPARK_NEG_INF, l = 0.0f;
+    for (u32 pos = a + warp; pos < b; pos += nw) online_softmax(attn_score(A, q, pos, kvh, lane), &m, &l);
+    split_stats(m, l, stats + ((u64)qh * nsplit + split) * 2);
 }
 
 // partial[(qh * nsplit + split) * head_dim + d] = sum over the split's keys of p * v[d].
@@ -607,7 +616,6 @@ __device__ __forceinline__ u32 attn_lo(const Attn& A, u32 i) {
 }
 
 template <int DPL> __device__ void attn_scores_impl(const Attn& A, u32 max_keys, float* scores, float* stats) {
-    __shared__ float wm[ATTN_THREADS / 32], wl[ATTN_THREADS / 32];
     const u32 qh = blockIdx.x, split = blockIdx.y;
     const u32 i = qh / A.n_heads, h = qh % A.n_heads, kvh = h / (A.n_heads / A.n_kv_heads);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -628,28 +636,9 @@ template <int DPL> __device__ void attn_scores_impl(const Attn& A, u32 max_keys,
         acc = warp_sum(acc);
         const float s = rnd(rnd(acc, A.mode) * A.scale, A.mode);
         if (lane == 0) srow[pos - lo] = s;
-        if (s > m) {
-            l = l * expf(m - s) + 1.0f;
-            m = s;
-        } else {
-            l += expf(s - m);
-        }
+        online_softmax(s, &m, &l);
     }
-    if (lane == 0) {
-        wm[warp] = m;
-        wl[warp] = l;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float M = SPARK_NEG_INF;
-        for (u32 w = 0; w < nw; ++w)
-            if (wl[w] > 0.0f && wm[w] > M) M = wm[w];
-        float L = 0.0f;
-        for (u32 w = 0; w < nw; ++w)
-            if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
-        stats[((u64)qh * A.nsplit + split) * 2 + 0] = M;
-        stats[((u64)qh * A.nsplit + split) * 2 + 1] = L;
-    }
+    split_stats(m, l, stats + ((u64)qh * A.nsplit + split) * 2);
 }
 
 template <int DPL> __device__ void attn_pv_impl(const Attn& A, u32 max_keys, const float* scores, const float* stats,
