@@ -224,6 +224,11 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float* o) {
     }
 }
 
+// x0 . w[0..4] + x1 . w[4..8], summed left to right.
+__device__ __forceinline__ float dot8(float4 x0, float4 x1, const float* w) {
+    return x0.x * w[0] + x0.y * w[1] + x0.z * w[2] + x0.w * w[3] + x1.x * w[4] + x1.y * w[5] + x1.z * w[6] + x1.w * w[7];
+}
+
 #define GEMV_WARPS 4
 #define GEMV_DEPTH 8
 
@@ -251,8 +256,7 @@ __device__ __forceinline__ void gemv_row(const float* x, const bf16_t* wr, u32 n
                 if (t < (int)n) {
                     const float4 x0 = __ldg((const float4*)(x + (u64)t * k + j));
                     const float4 x1 = __ldg((const float4*)(x + (u64)t * k + j + 4));
-                    acc[t] += x0.x * wf[0] + x0.y * wf[1] + x0.z * wf[2] + x0.w * wf[3] + x1.x * wf[4] +
-                              x1.y * wf[5] + x1.z * wf[6] + x1.w * wf[7];
+                    acc[t] += dot8(x0, x1, wf);
                 }
             }
         }
@@ -323,10 +327,8 @@ __device__ __forceinline__ void gemv_row2(const float* x, const bf16_t* wa, cons
                 if (t < (int)n) {
                     const float4 x0 = __ldg((const float4*)(x + (u64)t * k + j));
                     const float4 x1 = __ldg((const float4*)(x + (u64)t * k + j + 4));
-                    acc_a[t] += x0.x * fa[0] + x0.y * fa[1] + x0.z * fa[2] + x0.w * fa[3] + x1.x * fa[4] +
-                                x1.y * fa[5] + x1.z * fa[6] + x1.w * fa[7];
-                    acc_b[t] += x0.x * fb[0] + x0.y * fb[1] + x0.z * fb[2] + x0.w * fb[3] + x1.x * fb[4] +
-                                x1.y * fb[5] + x1.z * fb[6] + x1.w * fb[7];
+                    acc_a[t] += dot8(x0, x1, fa);
+                    acc_b[t] += dot8(x0, x1, fb);
                 }
             }
         }
