@@ -250,3 +250,64 @@ impl Step {
 
 /// Capture mode: only this thread's CUDA calls are captured.
 pub const CAPTURE_MODE: sys::CUstreamCaptureMode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemm(m: i32, c: u64) -> Rec {
+        Rec::Gemm(GemmRec {
+            ta: true,
+            tb: false,
+            m,
+            n: 1,
+            k: 8,
+            a: 0x1000,
+            lda: 8,
+            stride_a: 0,
+            b: 0x2000,
+            ldb: 8,
+            stride_b: 0,
+            c,
+            ldc: m,
+            stride_c: 0,
+            batch: 1,
+            bf16: true,
+        })
+    }
+
+    #[test]
+    fn staging_appends_and_reuses_the_same_positions() {
+        let mut st = Step::default();
+        assert_eq!(st.stage(&[7, 8]), 0);
+        assert_eq!(st.stage_positions(&[3, 4, 5]), 2);
+        assert_eq!(st.stage_positions(&[3, 4, 5]), 2, "the same positions are staged once");
+        assert_eq!(st.stage_positions(&[4, 5, 6]), 5);
+        assert_eq!(st.stage, vec![7, 8, 3, 4, 5, 4, 5, 6]);
+        st.clear();
+        assert!(st.stage.is_empty() && st.last_positions.is_none() && st.recs.is_empty());
+        assert_eq!(st.stage_positions(&[4, 5, 6]), 0, "a new step stages its positions again");
+    }
+
+    #[test]
+    fn staged_arguments_resolve_against_the_staging_buffer() {
+        assert_eq!(Arg::Stage(3).slot(0x10_0000), 0x10_000c);
+        assert_eq!(Arg::U32(5).slot(0x10_0000), 5);
+        assert_eq!(Arg::I32(-1).slot(0), 0xffff_ffff);
+        assert_eq!(Arg::F32(1.0).slot(0), 0x3f80_0000);
+    }
+
+    #[test]
+    fn a_list_is_captured_the_second_time_it_is_seen_and_never_after_a_failed_capture() {
+        let mut st = Step { recs: vec![gemm(16, 0x3000), gemm(32, 0x4000)], ..Default::default() };
+        let sig = st.signature(0);
+        st.recs = vec![gemm(16, 0x3000), gemm(32, 0x5000)];
+        let other = st.signature(0);
+        assert_ne!(sig, other, "every argument is part of the key");
+        assert!(!st.should_capture(&sig));
+        assert!(st.should_capture(&sig));
+        assert!(!st.should_capture(&other));
+        st.capture_failed(&other);
+        assert!(!st.should_capture(&other), "a list whose capture failed is not tried again");
+    }
+}

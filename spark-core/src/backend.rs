@@ -2,7 +2,10 @@
 //!
 //! - [`Backend`] is op-level: upload weights, then embedding, RMSNorm, matmul, RoPE, attention
 //!   over the KV layout, head gate, GEGLU, residual add. [`crate::graph::Model`] walks the
-//!   decoder over any `Backend`, so the model is written once.
+//!   decoder over any `Backend`, so the model is written once. A few fused forms of op sequences
+//!   (two projections of one input, gate/up with the GEGLU, residual add with the next norm)
+//!   default to the sequence itself; a backend overrides them only to run them in fewer passes.
+//!   `end_step` closes every step, for backends that defer their work.
 //! - [`Executor`] is step-level: "run this batch of (sequence, tokens, start position) and return
 //!   logits for the rows asked for". Its data is plain (integers, slices of integers and floats,
 //!   a `#[repr(u32)]` enum) so that it maps one to one onto a C ABI.
