@@ -298,8 +298,6 @@ extern "C" __global__ void gemv_bf16w(const float* x, const bf16_t* w1, float* o
     GEMV_BY_N(gemv2_impl, x, w1, out1, m1, w2, out2, m2, n, k, mode)
 }
 
-// out[t, r] = geglu(rnd(x Wg^T), rnd(x Wu^T)) for row r: both projections and the GEGLU of
-// ops::geglu in one pass, as the matmul, matmul, geglu sequence rounds them.
 // As gemv_row for two weight rows at once (both rows' loads in flight together).
 template <int NT>
 __device__ __forceinline__ void gemv_row2(const float* x, const bf16_t* wa, const bf16_t* wb, u32 n, u32 k, float* acc_a,
