@@ -22,7 +22,7 @@ use spark_core::{DType, Error, Result};
 use crate::device::err;
 use crate::kernels::{blocks_for, cfg, Arg, GEMV_THREADS, THREADS};
 use crate::step::GemmRec;
-use crate::{ensure, mode, CudaBackend, CudaTensor, CudaWeight};
+use crate::{ensure, mode, CudaBackend, CudaRope, CudaTensor, CudaWeight};
 
 fn int(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(format!("cuda backend: GEMM {what} = {v} exceeds cuBLAS's int range")))
@@ -51,8 +51,11 @@ pub fn matmul(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTen
             let mut s = b.scratch();
             let mut keep = vec![];
             ensure(&b.stream, &mut s.bf16, n * k, &mut keep)?;
-            b.step().keep.extend(keep);
             let xb = b.ptr_mut(s.bf16.as_mut().expect("ensured"));
+            // Released before the launch, which may record the pending decode attention (that
+            // takes the scratch lock itself).
+            drop(s);
+            b.step().keep.extend(keep);
             // f32_to_bf16_kernel(x, out, n)
             b.launch(
                 &b.k.f32_to_bf16_kernel,
@@ -169,6 +172,12 @@ pub fn run_gemm(b: &CudaBackend, g: &GemmRec) -> Result<()> {
 
 /// The most activation rows the GEMV kernel takes.
 pub const GEMV_MAX_ROWS: usize = 16;
+/// The most rows sent to the GEMV kernels by default (more go to cuBLAS). The GEMV kernels read
+/// the activations once per weight row, so their cost grows with the rows: on an H200 (session
+/// 6, per-kernel profile of the 1.7B shape) a 16-row step spent 6.7x the one-row time in each
+/// o/down projection (89.7 vs 13.3 us) and 9x in the output head (1290 vs 141 us), where a cuBLAS
+/// GEMM of 16 rows still streams the weights about once.
+pub const GEMV_DEFAULT_ROWS: usize = 4;
 
 /// Whether the GEMV kernels take `x W^T` (bf16 weights, few rows, k a multiple of 8).
 pub fn gemv_takes(b: &CudaBackend, x: &CudaTensor, w: &CudaWeight) -> bool {
@@ -256,6 +265,48 @@ pub fn gemv_geglu(
             Arg::U32(n as u32),
             Arg::U32(k as u32),
             Arg::I32(mode(round)?),
+        ],
+    )
+}
+
+/// `out1 = x W1^T` and `out2 = x W2^T` in one launch with the RoPE of the first `n_rot_heads`
+/// heads of `out1` applied (positions staged at `pos`; both weights GEMV-eligible, shapes checked
+/// by the caller).
+pub fn gemv_qkv_rope(
+    b: &CudaBackend,
+    x: &CudaTensor,
+    (w1, out1): (&CudaWeight, &mut CudaTensor),
+    (w2, out2): (&CudaWeight, &mut CudaTensor),
+    (pos, table): (u32, &CudaRope),
+    (n_rot_heads, head_dim): (usize, usize),
+    round: DType,
+) -> Result<()> {
+    let (n, k, m1, m2) = (x.rows, x.cols, w1.rows, w2.rows);
+    let half = table.rot_dims / 2;
+    let tasks = m1 + m2 - n_rot_heads * half;
+    // gemv_qkv_rope(x, w1, out1, m1, w2, out2, m2, n, k, mode, pos, cos, sin, n_rot_heads,
+    // head_dim, half): one warp per task (a rotated pair of rows, or one row).
+    b.launch(
+        &b.k.gemv_qkv_rope,
+        "gemv_qkv_rope",
+        cfg((u32::try_from(tasks.div_ceil(GEMV_WARPS)).map_err(|_| Error::invalid("GEMV rows"))?, 1), GEMV_THREADS, 0),
+        &[
+            Arg::Ptr(b.ptr(x.buf())),
+            Arg::Ptr(b.ptr(&w1.buf)),
+            Arg::Ptr(b.ptr_mut(out1.buf_mut())),
+            Arg::U32(m1 as u32),
+            Arg::Ptr(b.ptr(&w2.buf)),
+            Arg::Ptr(b.ptr_mut(out2.buf_mut())),
+            Arg::U32(m2 as u32),
+            Arg::U32(n as u32),
+            Arg::U32(k as u32),
+            Arg::I32(mode(round)?),
+            Arg::Stage(pos),
+            Arg::Ptr(b.ptr(&table.cos)),
+            Arg::Ptr(b.ptr(&table.sin)),
+            Arg::U32(n_rot_heads as u32),
+            Arg::U32(head_dim as u32),
+            Arg::U32(half as u32),
         ],
     )
 }

@@ -16,6 +16,26 @@ typedef unsigned long long u64;
 
 #define SPARK_NEG_INF (-__int_as_float(0x7f800000))
 
+// Programmatic dependent launch (sm_90 and newer; nothing on older targets, where the host
+// never asks for it): every kernel begins with PDL_ENTER, which waits until the kernels before it
+// in the stream have completed and their writes are visible, then lets the next kernel's blocks
+// be scheduled. A kernel may read only immutable data (weights) before its PDL_ENTER, so a
+// kernel launched early does nothing but prefetch until its inputs are ready.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTER()                                                  \
+    do {                                                             \
+        asm volatile("griddepcontrol.wait;" ::: "memory");           \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); \
+    } while (0)
+#else
+#define PDL_ENTER() \
+    do {            \
+    } while (0)
+#endif
+
+// Ask for the 128-byte line at p to be brought into L2 (a hint; immutable data only).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 
 // Round to nearest even, NaN kept quiet: the same bits as half::bf16::from_f32.
@@ -72,19 +92,121 @@ __device__ float block_max(float v) {
 
 // out[r, :] = table[ids[r], :] as f32.
 extern "C" __global__ void embed_f32(const float* table, const u32* ids, float* out, u32 cols) {
+    PDL_ENTER();
     const float* src = table + (u64)ids[blockIdx.x] * cols;
     float* dst = out + (u64)blockIdx.x * cols;
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
 }
 
 extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* ids, float* out, u32 cols) {
+    PDL_ENTER();
     const bf16_t* src = table + (u64)ids[blockIdx.x] * cols;
     float* dst = out + (u64)blockIdx.x * cols;
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = bf16_to_f32(src[j]);
 }
 
-// out = rnd(w * (x * (1 / sqrt(mean(x^2) + eps)))), as ops::rms_norm.
+// The vectorized norm (rms_norm_vec, add_rms_norm_vec): out = rnd(w * (x * (1 / sqrt(mean(x^2) +
+// eps)))), as ops::rms_norm; with `add`, first
+// x = in + add, written back to h (the residual add fused with the next norm: the same sums as
+// add_inplace then rms_norm). The row is held in registers: V float4 per thread (cols % 4 == 0,
+// cols <= 4 * V * blockDim.x), every load of the row issued before any is used.
+template <int V>
+__device__ void norm_row_vec(const float* in, const float* add, float* h, const float* w, float* out, u32 cols,
+                             float eps, int mode) {
+    const u32 c4 = cols >> 2;
+    float4 wv[V], a[V], b[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const u32 i = threadIdx.x + v * blockDim.x;
+        if (i < c4) wv[v] = __ldg((const float4*)w + i);
+    }
+    PDL_ENTER();
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const u32 i = threadIdx.x + v * blockDim.x;
+        if (i < c4) {
+            a[v] = ((const float4*)in)[i];
+            if (add) b[v] = ((const float4*)add)[i];
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const u32 i = threadIdx.x + v * blockDim.x;
+        if (i < c4) {
+            if (add) {
+                a[v].x += b[v].x;
+                a[v].y += b[v].y;
+                a[v].z += b[v].z;
+                a[v].w += b[v].w;
+                ((float4*)h)[i] = a[v];
+            }
+            ss += a[v].x * a[v].x;
+            ss += a[v].y * a[v].y;
+            ss += a[v].z * a[v].z;
+            ss += a[v].w * a[v].w;
+        }
+    }
+    ss = block_sum(ss) / (float)cols;
+    const float r = 1.0f / sqrtf(ss + eps);
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const u32 i = threadIdx.x + v * blockDim.x;
+        if (i < c4) {
+            float4 o;
+            o.x = rnd(wv[v].x * (a[v].x * r), mode);
+            o.y = rnd(wv[v].y * (a[v].y * r), mode);
+            o.z = rnd(wv[v].z * (a[v].z * r), mode);
+            o.w = rnd(wv[v].w * (a[v].w * r), mode);
+            ((float4*)out)[i] = o;
+        }
+    }
+}
+
+// The same for any cols (a strided loop that reads the row twice).
+__device__ void norm_row_any(const float* in, const float* add, float* h, const float* w, float* out, u32 cols,
+                             float eps, int mode) {
+    PDL_ENTER();
+    const float* src = add ? h : in;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = in[j];
+        if (add) {
+            v += add[j];
+            h[j] = v;
+        }
+        ss += v * v;
+    }
+    ss = block_sum(ss) / (float)cols;
+    const float r = 1.0f / sqrtf(ss + eps);
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) out[j] = rnd(w[j] * (src[j] * r), mode);
+}
+
+__device__ void norm_row(const float* in, const float* add, float* h, const float* w, float* out, u32 cols, float eps,
+                         int mode) {
+    const u32 per = ((cols >> 2) + blockDim.x - 1) / blockDim.x;
+    if (cols % 4 != 0 || per > 8) norm_row_any(in, add, h, w, out, cols, eps, mode);
+    else if (per <= 1) norm_row_vec<1>(in, add, h, w, out, cols, eps, mode);
+    else if (per <= 2) norm_row_vec<2>(in, add, h, w, out, cols, eps, mode);
+    else if (per <= 4) norm_row_vec<4>(in, add, h, w, out, cols, eps, mode);
+    else norm_row_vec<8>(in, add, h, w, out, cols, eps, mode);
+}
+
+// rms_norm and add_rms_norm (below) with the row held in registers (Options::fuse).
+extern "C" __global__ void rms_norm_vec(const float* x, const float* w, float* out, u32 cols, float eps, int mode) {
+    const u64 o = (u64)blockIdx.x * cols;
+    norm_row(x + o, nullptr, nullptr, w, out + o, cols, eps, mode);
+}
+
+extern "C" __global__ void add_rms_norm_vec(float* h, const float* x, const float* w, float* out, u32 cols, float eps,
+                                            int mode) {
+    const u64 o = (u64)blockIdx.x * cols;
+    norm_row(h + o, x + o, h + o, w, out + o, cols, eps, mode);
+}
+
+// out = rnd(w * (x * (1 / sqrt(mean(x^2) + eps)))), as ops::rms_norm (strided loops).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, u32 cols, float eps, int mode) {
+    PDL_ENTER();
     const float* xr = x + (u64)blockIdx.x * cols;
     float* orow = out + (u64)blockIdx.x * cols;
     float ss = 0.0f;
@@ -98,6 +220,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 // sums in the same order as add_inplace then rms_norm).
 extern "C" __global__ void add_rms_norm(float* h, const float* x, const float* w, float* out, u32 cols, float eps,
                                         int mode) {
+    PDL_ENTER();
     float* hr = h + (u64)blockIdx.x * cols;
     const float* xr = x + (u64)blockIdx.x * cols;
     float* orow = out + (u64)blockIdx.x * cols;
@@ -116,6 +239,7 @@ extern "C" __global__ void add_rms_norm(float* h, const float* x, const float* w
 // position pos[r] (cos/sin tables [positions, half]), as ops::rope_head.
 extern "C" __global__ void rope(float* qkv, const u32* pos, const float* cos_t, const float* sin_t, u32 cols,
                                 u32 n_rot_heads, u32 head_dim, u32 half, int mode) {
+    PDL_ENTER();
     float* row = qkv + (u64)blockIdx.x * cols;
     const float* c = cos_t + (u64)pos[blockIdx.x] * half;
     const float* s = sin_t + (u64)pos[blockIdx.x] * half;
@@ -130,6 +254,7 @@ extern "C" __global__ void rope(float* qkv, const u32* pos, const float* cos_t, 
 
 // attn[r, h*D + d] = rnd(attn * rnd(act(g[r, h]))), act 0 = sigmoid, 1 = silu; as ops::head_gate.
 extern "C" __global__ void head_gate(float* attn, const float* g, u32 n_heads, u32 head_dim, int act, int mode) {
+    PDL_ENTER();
     float* a = attn + (u64)blockIdx.x * n_heads * head_dim;
     const float* gr = g + (u64)blockIdx.x * n_heads;
     for (u32 t = threadIdx.x; t < n_heads * head_dim; t += blockDim.x) {
@@ -142,6 +267,7 @@ extern "C" __global__ void head_gate(float* attn, const float* g, u32 n_heads, u
 
 // out[i, :] = x[rows[i], :].
 extern "C" __global__ void gather_rows(const float* x, const u32* rows, float* out, u32 cols) {
+    PDL_ENTER();
     const float* src = x + (u64)rows[blockIdx.x] * cols;
     float* dst = out + (u64)blockIdx.x * cols;
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = src[j];
@@ -154,6 +280,7 @@ extern "C" __global__ void gather_rows(const float* x, const u32* rows, float* o
 
 // out = rnd(rnd(gelu_erf(g)) * u), gelu_erf(x) = 0.5 x (1 + erf(x / sqrt 2)); as ops::geglu.
 extern "C" __global__ void geglu(const float* g, const float* u, float* out, u64 n, int mode) {
+    PDL_ENTER();
     GRID_STRIDE(i, n) {
         const float x = g[i];
         const float ge = 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
@@ -163,16 +290,19 @@ extern "C" __global__ void geglu(const float* g, const float* u, float* out, u64
 
 // h += x.
 extern "C" __global__ void add_inplace(float* h, const float* x, u64 n) {
+    PDL_ENTER();
     GRID_STRIDE(i, n) h[i] += x[i];
 }
 
 // x = rnd(x) in place (the rounding of a GEMM's f32 output).
 extern "C" __global__ void round_inplace(float* x, u64 n, int mode) {
+    PDL_ENTER();
     GRID_STRIDE(i, n) x[i] = rnd(x[i], mode);
 }
 
 // out = bf16(x) (GEMM input; exact, as the activations are already rounded to bf16).
 extern "C" __global__ void f32_to_bf16_kernel(const float* x, bf16_t* out, u64 n) {
+    PDL_ENTER();
     GRID_STRIDE(i, n) out[i] = f32_to_bf16(x[i]);
 }
 
@@ -201,10 +331,12 @@ __device__ void matmul_warp(const float* x, const T* w, float* out, u32 n, u32 k
 }
 
 extern "C" __global__ void matmul_f32w(const float* x, const float* w, float* out, u32 n, u32 k, u32 m, int mode) {
+    PDL_ENTER();
     matmul_warp<float>(x, w, out, n, k, m, mode);
 }
 
 extern "C" __global__ void matmul_bf16w(const float* x, const bf16_t* w, float* out, u32 n, u32 k, u32 m, int mode) {
+    PDL_ENTER();
     matmul_warp<bf16_t>(x, w, out, n, k, m, mode);
 }
 
@@ -231,6 +363,14 @@ __device__ __forceinline__ float dot8(float4 x0, float4 x1, const float* w) {
 
 #define GEMV_WARPS 4
 #define GEMV_DEPTH 8
+
+// Prefetch into L2 the part of a weight row that the first loads of gemv_row read (called
+// before PDL_ENTER: a GEMV launched early streams its weights while the kernel before it ends).
+__device__ __forceinline__ void gemv_prefetch(const bf16_t* wr, u32 k) {
+    const u32 bytes = (k < 256 * GEMV_DEPTH ? k : 256 * GEMV_DEPTH) * 2;
+    const u32 off = (threadIdx.x & 31) * 128;
+    if (off < bytes) prefetch_l2((const char*)wr + off);
+}
 
 // acc[t] = sum_j x[t, j] * wr[j] for t < n, on every lane of the warp.
 template <int NT>
@@ -284,8 +424,11 @@ __device__ void gemv2_impl(const float* x, const bf16_t* w1, float* out1, u32 m1
     const u32 rr = first ? r : r - m1;
     const u32 m = first ? m1 : m2;
     float* out = first ? out1 : out2;
+    const bf16_t* wr = (first ? w1 : w2) + (u64)rr * k;
+    gemv_prefetch(wr, k);
+    PDL_ENTER();
     float acc[NT];
-    gemv_row<NT>(x, (first ? w1 : w2) + (u64)rr * k, n, k, acc);
+    gemv_row<NT>(x, wr, n, k, acc);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int t = 0; t < NT; ++t)
@@ -345,6 +488,9 @@ __device__ void gemv_geglu_impl(const float* x, const bf16_t* wg, const bf16_t* 
                                 int mode) {
     const u32 r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (r >= m) return;
+    gemv_prefetch(wg + (u64)r * k, k);
+    gemv_prefetch(wu + (u64)r * k, k);
+    PDL_ENTER();
     float g[NT], u[NT];
     gemv_row2<NT>(x, wg + (u64)r * k, wu + (u64)r * k, n, k, g, u);
     if ((threadIdx.x & 31) == 0) {
@@ -364,6 +510,80 @@ extern "C" __global__ void gemv_geglu_bf16w(const float* x, const bf16_t* wg, co
     GEMV_BY_N(gemv_geglu_impl, x, wg, wu, out, m, n, k, mode)
 }
 
+// gemv_bf16w of the fused QKV (w1, out1 [n, m1]) and head-gate (w2, out2 [n, m2]) projections
+// with the rope kernel's rotation applied to the rounded outputs: the first 2*half dims of each
+// of the first n_rot_heads heads of out1, row t at position pos[t] (cos/sin [positions, half]).
+// A warp computes one task: a rotated pair of rows (h*head_dim + j, h*head_dim + j + half), both
+// streamed at once, or one row that is not rotated. Tasks: the n_rot_heads*half pairs, then the
+// rotated heads' remaining dims, then out1's rows after the rotated heads, then w2's rows.
+template <int NT>
+__device__ void gemv_qkv_rope_impl(const float* x, const bf16_t* w1, float* out1, u32 m1, const bf16_t* w2,
+                                   float* out2, u32 m2, u32 n, u32 k, int mode, const u32* pos, const float* cos_t,
+                                   const float* sin_t, u32 n_rot_heads, u32 head_dim, u32 half) {
+    const u32 task = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const u32 pairs = n_rot_heads * half, rest = head_dim - 2 * half, rot_rows = n_rot_heads * head_dim;
+    if (task >= m1 + m2 - pairs) return;
+    const bool lead = (threadIdx.x & 31) == 0;
+    if (task < pairs) {
+        const u32 j = task % half, ra = (task / half) * head_dim + j, rb = ra + half;
+        gemv_prefetch(w1 + (u64)ra * k, k);
+        gemv_prefetch(w1 + (u64)rb * k, k);
+        PDL_ENTER();
+        float a[NT], b[NT];
+        gemv_row2<NT>(x, w1 + (u64)ra * k, w1 + (u64)rb * k, n, k, a, b);
+        if (lead) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                if (t < (int)n) {
+                    const u64 cs = (u64)pos[t] * half + j;
+                    const float c = cos_t[cs], s = sin_t[cs];
+                    const float av = rnd(a[t], mode), bv = rnd(b[t], mode);
+                    out1[(u64)t * m1 + ra] = rnd(av * c - bv * s, mode);
+                    out1[(u64)t * m1 + rb] = rnd(bv * c + av * s, mode);
+                }
+            }
+        }
+        return;
+    }
+    u32 u = task - pairs;
+    const bf16_t* wr;
+    float* out;
+    u32 m, r;
+    if (u < n_rot_heads * rest) {
+        r = (u / rest) * head_dim + 2 * half + u % rest;
+        wr = w1 + (u64)r * k;
+        out = out1;
+        m = m1;
+    } else if ((u = u - n_rot_heads * rest + rot_rows) < m1) {
+        r = u;
+        wr = w1 + (u64)r * k;
+        out = out1;
+        m = m1;
+    } else {
+        r = u - m1;
+        wr = w2 + (u64)r * k;
+        out = out2;
+        m = m2;
+    }
+    gemv_prefetch(wr, k);
+    PDL_ENTER();
+    float acc[NT];
+    gemv_row<NT>(x, wr, n, k, acc);
+    if (lead) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t)
+            if (t < (int)n) out[(u64)t * m + r] = rnd(acc[t], mode);
+    }
+}
+
+extern "C" __global__ void gemv_qkv_rope(const float* x, const bf16_t* w1, float* out1, u32 m1, const bf16_t* w2,
+                                         float* out2, u32 m2, u32 n, u32 k, int mode, const u32* pos,
+                                         const float* cos_t, const float* sin_t, u32 n_rot_heads, u32 head_dim,
+                                         u32 half) {
+    GEMV_BY_N(gemv_qkv_rope_impl, x, w1, out1, m1, w2, out2, m2, n, k, mode, pos, cos_t, sin_t, n_rot_heads, head_dim,
+              half)
+}
+
 // ---------------------------------------------------------------------------------------------
 // KV cache append: positions first..end of a chunk (rows row0 + pos - start of the fused QKV
 // activations) into the cache, slot = pos % ring for a ring (ring > 0), else pos. start and first
@@ -372,6 +592,7 @@ extern "C" __global__ void gemv_geglu_bf16w(const float* x, const bf16_t* wg, co
 
 extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 qkv_cols, u32 row0, const u32* dyn,
                                      u32 qd, u32 kvd, u32 ring, int kv_bf16) {
+    PDL_ENTER();
     const u32 start = dyn[0], first = dyn[1];
     const u32 pos = first + blockIdx.x;
     const float* src = qkv + (u64)(row0 + pos - start) * qkv_cols + qd;
@@ -502,6 +723,7 @@ __device__ __forceinline__ void split_stats(float m, float l, float* out) {
 
 // stats[(qh * nsplit + split) * 2 + {0, 1}] = (max, sum of exp(s - max)) over the split's keys.
 extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
+    PDL_ENTER();
     ATTN_INIT
     extern __shared__ float sh[];
     const u32 qh = blockIdx.x, split = blockIdx.y;
@@ -518,6 +740,7 @@ extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
 
 // partial[(qh * nsplit + split) * head_dim + d] = sum over the split's keys of p * v[d].
 extern "C" __global__ void attn_accum(ATTN_PARAMS, const float* stats, float* partial) {
+    PDL_ENTER();
     ATTN_INIT
     extern __shared__ float sh[];
     const u32 qh = blockIdx.x, split = blockIdx.y;
@@ -692,11 +915,13 @@ template <int DPL> __device__ void attn_pv_impl(const Attn& A, u32 max_keys, con
     }
 
 extern "C" __global__ void attn_scores(ATTN_PARAMS, u32 max_keys, float* scores, float* stats) {
+    PDL_ENTER();
     ATTN_INIT
     ATTN_BY_DPL(attn_scores_impl, A, max_keys, scores, stats)
 }
 
 extern "C" __global__ void attn_pv(ATTN_PARAMS, u32 max_keys, const float* scores, const float* stats, float* partial) {
+    PDL_ENTER();
     ATTN_INIT
     ATTN_BY_DPL(attn_pv_impl, A, max_keys, scores, stats, partial)
 }
@@ -711,6 +936,7 @@ extern "C" __global__ void attn_pv(ATTN_PARAMS, u32 max_keys, const float* score
 
 extern "C" __global__ void attn_softmax(const float* S, void* P, u32 n, u32 n_heads, u32 window, float scale, int mode,
                                         int p_bf16) {
+    PDL_ENTER();
     const u32 i = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     const u64 row = ((u64)h * n + i) * n;
     const float* srow = S + row;
@@ -730,21 +956,32 @@ extern "C" __global__ void attn_softmax(const float* S, void* P, u32 n, u32 n_he
     }
 }
 
-// out[row0 + i, h * head_dim + d] = rnd(sum over splits of partial). Then, after every read of
-// the cache by this chunk's attention (the kernels before this one), the KV append of kv_append:
-// the block of the first query head of each group writes its KV head's K and V of position
-// start + i (from dyn, as kv_append) when it is at least first.
+// out[row0 + i, h * head_dim + d] = rnd(sum over splits of partial), and where `gate` is given
+// (the head_gate op fused) then rnd(out * rnd(act(gate[row0 + i, h]))) as head_gate computes it
+// (gate_act 0 = sigmoid, 1 = silu). Then, after every read of the cache by this chunk's attention
+// (the kernels before this one), the KV append of kv_append: the block of the first query head
+// of each group writes its KV head's K and V of position start + i (from dyn, as kv_append) when
+// it is at least first.
 __device__ __forceinline__ void attn_reduce_row(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
                                                 u32 head_dim, u32 nsplit, int mode, const float* qkv, void* kc, void* vc,
-                                                u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16) {
+                                                u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16,
+                                                const float* gate, int gate_act) {
     const u32 qh = blockIdx.x;
     const u32 i = qh / n_heads, h = qh % n_heads;
     const float* src = partial + (u64)qh * nsplit * head_dim;
     float* dst = out + (u64)(row0 + i) * out_cols + h * head_dim;
+    float gs = 1.0f;
+    if (gate) {
+        const float gv = gate[(u64)(row0 + i) * n_heads + h];
+        const float e = 1.0f + expf(-gv);
+        gs = rnd(gate_act == 0 ? 1.0f / e : gv / e, mode);
+    }
     for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float o = 0.0f;
         for (u32 s = 0; s < nsplit; ++s) o += src[s * head_dim + d];
-        dst[d] = rnd(o, mode);
+        o = rnd(o, mode);
+        if (gate) o = rnd(o * gs, mode);
+        dst[d] = o;
     }
     const u32 group = n_heads / n_kv_heads, start = dyn[0], first = dyn[1], pos = start + i;
     if (h % group != 0 || pos < first) return;
@@ -766,8 +1003,9 @@ __device__ __forceinline__ void attn_reduce_row(const float* partial, float* out
 extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out_cols, u32 row0, u32 n_heads,
                                        u32 head_dim, u32 nsplit, int mode, const float* qkv, void* kc, void* vc,
                                        u32 qkv_cols, const u32* dyn, u32 n_kv_heads, u32 ring, int kv_bf16) {
+    PDL_ENTER();
     attn_reduce_row(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode, qkv, kc, vc, qkv_cols, dyn,
-                    n_kv_heads, ring, kv_bf16);
+                    n_kv_heads, ring, kv_bf16, nullptr, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -797,6 +1035,7 @@ __device__ __forceinline__ bool attn_entry(const u32* e, Attn& A, const float* q
         float scale, const u32 *table
 
 extern "C" __global__ void attn_scores_batch(ATTN_BATCH_PARAMS, float* scores, float* stats) {
+    PDL_ENTER();
     const u32* e = table + blockIdx.z * ATTN_ENTRY;
     Attn A;
     if (!attn_entry(e, A, qkv, qkv_cols, n_heads, n_kv_heads, head_dim, window, kv_bf16, mode, scale)) return;
@@ -804,17 +1043,21 @@ extern "C" __global__ void attn_scores_batch(ATTN_BATCH_PARAMS, float* scores, f
 }
 
 extern "C" __global__ void attn_pv_batch(ATTN_BATCH_PARAMS, const float* scores, const float* stats, float* partial) {
+    PDL_ENTER();
     const u32* e = table + blockIdx.z * ATTN_ENTRY;
     Attn A;
     if (!attn_entry(e, A, qkv, qkv_cols, n_heads, n_kv_heads, head_dim, window, kv_bf16, mode, scale)) return;
     ATTN_BY_DPL(attn_pv_impl, A, e[5], scores + e[13], stats + e[11], partial + e[12])
 }
 
-extern "C" __global__ void attn_reduce_batch(ATTN_BATCH_PARAMS, const float* partial, float* out, u32 out_cols) {
+// With `gate` (not null), the head gate fused (see attn_reduce_row).
+extern "C" __global__ void attn_reduce_batch(ATTN_BATCH_PARAMS, const float* partial, float* out, u32 out_cols,
+                                             const float* gate, int gate_act) {
+    PDL_ENTER();
     const u32* e = table + blockIdx.z * ATTN_ENTRY;
     if (blockIdx.x >= e[3]) return;
     void* kc = (void*)((u64)e[7] | ((u64)e[8] << 32));
     void* vc = (void*)((u64)e[9] | ((u64)e[10] << 32));
     attn_reduce_row(partial + e[12], out, out_cols, e[0], n_heads, head_dim, e[4], mode, qkv, kc, vc, qkv_cols, e + 1,
-                    n_kv_heads, e[6], kv_bf16);
+                    n_kv_heads, e[6], kv_bf16, gate, gate_act);
 }

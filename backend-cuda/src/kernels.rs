@@ -20,6 +20,8 @@ pub const BUNDLED_PTX: &str = include_str!("kernels.ptx");
 /// NVRTC options (no fused multiply-add contraction, so the elementwise ops round exactly as
 /// backend-cpu's scalar code does).
 pub const NVRTC_FLAGS: &[&str] = &["--fmad=false", "-default-device"];
+/// [`Kernels::source`] when NVRTC compiled the kernels for the device.
+pub const NVRTC_SOURCE: &str = "NVRTC";
 /// The architecture of the bundled PTX.
 pub const BUNDLED_ARCH: &str = "compute_80";
 
@@ -120,7 +122,7 @@ macro_rules! kernels {
             /// than the driver makes PTX the driver cannot read).
             pub fn load(ctx: &Arc<CudaContext>, cc: (i32, i32), nvrtc: bool) -> Result<Kernels> {
                 if nvrtc {
-                    match ptx_for(arch_name(cc)).and_then(|ptx| Self::load_ptx(ctx, ptx, "NVRTC")) {
+                    match ptx_for(arch_name(cc)).and_then(|ptx| Self::load_ptx(ctx, ptx, NVRTC_SOURCE)) {
                         Ok(k) => return Ok(k),
                         Err(e) => eprintln!("warning: {e}; using the bundled PTX"),
                     }
@@ -150,6 +152,8 @@ kernels!(
     embed_bf16,
     rms_norm,
     add_rms_norm,
+    rms_norm_vec,
+    add_rms_norm_vec,
     rope,
     head_gate,
     gather_rows,
@@ -161,6 +165,7 @@ kernels!(
     matmul_bf16w,
     gemv_bf16w,
     gemv_geglu_bf16w,
+    gemv_qkv_rope,
     kv_append,
     attn_stats,
     attn_accum,
@@ -184,7 +189,10 @@ pub fn blocks_for(n: usize) -> u32 {
 }
 
 /// Launch `f` on `stream` now with `args` (which must match the kernel's parameter list),
-/// staged pointers resolved against `stage_base`; with profiling, between two events.
+/// staged pointers resolved against `stage_base`; with profiling, between two events. With
+/// `pdl`, as a programmatic dependent launch: the kernel's blocks may be scheduled before the
+/// kernel before it has finished, and wait for it in `PDL_ENTER` (kernels.cu); only for PTX
+/// built for compute_90 or newer, where every kernel has that wait.
 pub fn launch_now(
     stream: &Arc<CudaStream>,
     f: &CudaFunction,
@@ -192,26 +200,57 @@ pub fn launch_now(
     c: LaunchConfig,
     args: &[Arg],
     stage_base: u64,
+    pdl: bool,
 ) -> Result<()> {
     let mut slots: Vec<u64> = args.iter().map(|a| a.slot(stage_base)).collect();
     let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
     let t0 = crate::profile::start(stream);
-    // SAFETY: the callers pass, in order, one argument per parameter of the kernel named `what`
-    // (each signature is written next to its call in lib.rs), with device pointers to live
-    // buffers of the sizes the kernel indexes (checked by the callers' shape checks, and kept
-    // alive until the step has run); each value is read by the driver from its 64-bit slot in
-    // `slots`, alive until this call returns.
-    unsafe {
-        cudarc::driver::result::launch_kernel(
-            f.cu_function(),
-            c.grid_dim,
-            c.block_dim,
-            c.shared_mem_bytes,
-            stream.cu_stream(),
-            &mut params,
-        )
+    if pdl {
+        use cudarc::driver::sys;
+        // SAFETY: a zeroed attribute value is valid (plain integers and structs of them).
+        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value,
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: c.grid_dim.0,
+            gridDimY: c.grid_dim.1,
+            gridDimZ: c.grid_dim.2,
+            blockDimX: c.block_dim.0,
+            blockDimY: c.block_dim.1,
+            blockDimZ: c.block_dim.2,
+            sharedMemBytes: c.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as for the launch below; `config` and the attribute it points to live until
+        // the call returns, and the kernel (PTX for compute_90+) begins with PDL_ENTER, so no
+        // block reads what the kernel before it writes until that kernel has completed.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| err(&format!("launching {what}"), e))?;
+    } else {
+        // SAFETY: the callers pass, in order, one argument per parameter of the kernel named
+        // `what` (each signature is written next to its call in lib.rs), with device pointers to
+        // live buffers of the sizes the kernel indexes (checked by the callers' shape checks, and
+        // kept alive until the step has run); each value is read by the driver from its 64-bit
+        // slot in `slots`, alive until this call returns.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                f.cu_function(),
+                c.grid_dim,
+                c.block_dim,
+                c.shared_mem_bytes,
+                stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| err(&format!("launching {what}"), e))?;
     }
-    .map_err(|e| err(&format!("launching {what}"), e))?;
     crate::profile::end(stream, t0, || format!("{what} [{}x{}]", c.grid_dim.0, c.grid_dim.1));
     if debug_sync() {
         stream.synchronize().map_err(|e| err(&format!("running {what} (SPARK_CUDA_DEBUG_SYNC)"), e))?;

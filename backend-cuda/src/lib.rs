@@ -176,6 +176,9 @@ pub struct CudaBackend {
     pool: Arc<Mutex<Pool>>,
     /// Page-locked host memory for `read` (with `Options::pinned_read`).
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+    /// Kernels are launched as programmatic dependent launches (`Options::pdl` where the device
+    /// and the loaded PTX support it).
+    pdl: bool,
 }
 
 /// Which kernels the backend uses; every choice computes the same arithmetic (the parity tests
@@ -194,11 +197,22 @@ pub struct Options {
     pub dense_prefill: bool,
     /// The decode chunks of a step's sequences in one batched attention launch per layer.
     pub batch_attention: bool,
-    /// The most rows the GEMV kernels take (more go to cuBLAS), at most 16.
+    /// The most rows the GEMV kernels take (more go to cuBLAS), at most 16; default
+    /// [`gemm::GEMV_DEFAULT_ROWS`].
     pub gemv_max_rows: usize,
     /// Results read back through page-locked host memory (an experiment, off by default: not
     /// yet measured on a GPU).
     pub pinned_read: bool,
+    /// Programmatic dependent launches (compute capability 9.0 and newer, kernels compiled by
+    /// NVRTC): a kernel's blocks start, and prefetch their weights, while the kernel before it
+    /// finishes. Experimental, off by default (see `fuse`).
+    pub pdl: bool,
+    /// The kernels of session 6: the RoPE in the QKV GEMV, the head gate in the decode
+    /// attention's last kernel, RMSNorm with the row in registers. Experimental, off by default:
+    /// on an H200 these (with `pdl`) took batch-1 decode from ~400 to 486 tok/s, but tests that
+    /// decode several sequences of different lengths hung there (with `pdl` on or off) and the
+    /// cause is not yet found; see docs/CUDA.md.
+    pub fuse: bool,
 }
 
 impl Default for Options {
@@ -210,8 +224,10 @@ impl Default for Options {
             graphs: true,
             dense_prefill: true,
             batch_attention: true,
-            gemv_max_rows: gemm::GEMV_MAX_ROWS,
+            gemv_max_rows: gemm::GEMV_DEFAULT_ROWS,
             pinned_read: false,
+            pdl: false,
+            fuse: false,
         }
     }
 }
@@ -253,15 +269,32 @@ impl CudaBackend {
     /// launches every step kernel by kernel, `SPARK_CUDA_NO_BATCH_ATTENTION=1` launches each
     /// sequence's decode attention on its own, `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more
     /// than N rows (at most 16) to cuBLAS instead of the GEMV kernels, `SPARK_CUDA_PINNED_READ=1`
-    /// reads results back through page-locked memory.
+    /// reads results back through page-locked memory; the experimental `SPARK_CUDA_PDL=1` launches
+    /// kernels as programmatic dependent launches and `SPARK_CUDA_FUSE=1` takes the fused kernels
+    /// (see [`Options`]).
     pub fn new(ordinal: usize) -> Result<Self> {
-        let off = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+        let on = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
+        let d = Options::default();
+        let gemv_max_rows = match std::env::var("SPARK_CUDA_GEMV_MAX_ROWS") {
+            Ok(v) => v.trim().parse::<usize>().ok().filter(|&n| n <= gemm::GEMV_MAX_ROWS).ok_or_else(|| {
+                Error::invalid(format!(
+                    "SPARK_CUDA_GEMV_MAX_ROWS={v}: expected a number of rows from 0 to {}",
+                    gemm::GEMV_MAX_ROWS
+                ))
+            })?,
+            Err(_) => d.gemv_max_rows,
+        };
         Self::with_options(
             ordinal,
             Options {
-                cublas: !off("SPARK_CUDA_NO_CUBLAS"),
-                graphs: !off("SPARK_CUDA_NO_GRAPHS"),
-                ..Options::default()
+                cublas: !on("SPARK_CUDA_NO_CUBLAS"),
+                graphs: !on("SPARK_CUDA_NO_GRAPHS"),
+                batch_attention: !on("SPARK_CUDA_NO_BATCH_ATTENTION"),
+                gemv_max_rows,
+                pinned_read: on("SPARK_CUDA_PINNED_READ") || d.pinned_read,
+                pdl: on("SPARK_CUDA_PDL") || d.pdl,
+                fuse: on("SPARK_CUDA_FUSE") || d.fuse,
+                ..d
             },
         )
     }
@@ -291,6 +324,12 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = guard("creating a stream", || ctx.new_stream().map_err(|e| err("creating a stream", e)))?;
         let k = Kernels::load(&ctx, facts.cc, libs.nvrtc)?;
+        // Only PTX compiled for compute_90 or newer has the waits PDL_ENTER puts in every kernel.
+        // SPARK_CUDA_NO_PDL=1 turns it off for every backend of the process (a safety switch).
+        let pdl = opts.pdl
+            && facts.cc.0 >= 9
+            && k.source == kernels::NVRTC_SOURCE
+            && !std::env::var("SPARK_CUDA_NO_PDL").is_ok_and(|v| v == "1");
         let blas = if libs.cublas && opts.cublas {
             match guard("cuBLAS", || CudaBlas::new(stream.clone()).map_err(|e| err("creating a cuBLAS handle", e))) {
                 Ok(b) => Some(b),
@@ -339,6 +378,7 @@ impl CudaBackend {
             step: Mutex::new(Step::default()),
             pool: Arc::new(Mutex::new(Pool::default())),
             pinned: Mutex::new(None),
+            pdl,
         })
     }
 
@@ -349,7 +389,7 @@ impl CudaBackend {
     /// What runs the GEMMs and where the kernels came from, for `backends` and bench output.
     pub fn describe(&self) -> String {
         format!(
-            "sm_{}{}, {}, kernels: {}",
+            "sm_{}{}, {}, kernels: {}{}",
             self.facts.cc.0,
             self.facts.cc.1,
             match (self.blas.is_some(), self.opts.gemv) {
@@ -358,7 +398,8 @@ impl CudaBackend {
                 (false, true) => "fallback GEMM + GEMV",
                 (false, false) => "fallback GEMM",
             },
-            self.k.source
+            self.k.source,
+            if self.pdl { ", PDL" } else { "" }
         )
     }
 
@@ -377,29 +418,36 @@ impl CudaBackend {
         let bf16 = md == 1;
         let esz = if bf16 { 2 } else { 4 } as u64;
         let i = |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::invalid(format!("attention: {what} {v}")));
+        // Scratch pointers first: no launch (which may record the pending attention, which
+        // takes the scratch lock itself) happens while the lock is held.
         let mut s = self.scratch();
         let mut keep = vec![];
         ensure(&self.stream, &mut s.dense_s, h * n * n, &mut keep)?;
         ensure(&self.stream, &mut s.dense_p, h * n * n, &mut keep)?;
-        let qkv_rows = self.ptr(qkv.buf()) + (chunk.row * c * 4) as u64;
-        let base = if bf16 {
+        let qb = if bf16 {
             ensure(&self.stream, &mut s.dense_q, n * c, &mut keep)?;
-            let qb = self.ptr_mut(s.dense_q.as_mut().expect("ensured"));
-            // f32_to_bf16_kernel(x, out, n): the chunk's rows (bf16 values already).
-            self.launch(
-                &self.k.f32_to_bf16_kernel,
-                "f32_to_bf16",
-                cfg((blocks_for(n * c), 1), THREADS, 0),
-                &[Arg::Ptr(qkv_rows), Arg::Ptr(qb), Arg::U64((n * c) as u64)],
-            )?;
-            qb
+            Some(self.ptr_mut(s.dense_q.as_mut().expect("ensured")))
         } else {
-            qkv_rows
+            None
         };
-        self.step().keep.extend(keep);
         let sp = self.ptr_mut(s.dense_s.as_mut().expect("ensured"));
         let pp = self.ptr_mut(s.dense_p.as_mut().expect("ensured"));
         drop(s);
+        self.step().keep.extend(keep);
+        let qkv_rows = self.ptr(qkv.buf()) + (chunk.row * c * 4) as u64;
+        let base = match qb {
+            Some(qb) => {
+                // f32_to_bf16_kernel(x, out, n): the chunk's rows (bf16 values already).
+                self.launch(
+                    &self.k.f32_to_bf16_kernel,
+                    "f32_to_bf16",
+                    cfg((blocks_for(n * c), 1), THREADS, 0),
+                    &[Arg::Ptr(qkv_rows), Arg::Ptr(qb), Arg::U64((n * c) as u64)],
+                )?;
+                qb
+            }
+            None => qkv_rows,
+        };
         let (ni, di, ci, nn) = (i(n, "rows")?, i(d, "head_dim")?, i(c, "qkv cols")?, (n * n) as i64);
         let psz = esz;
         for kv_head in 0..kvh {
@@ -523,12 +571,12 @@ impl CudaBackend {
     /// Record the launches of the decode chunks' attention waiting in the step (one launch of
     /// each batched kernel for all of them; see kernels.cu).
     fn emit_attention(&self) -> Result<()> {
-        let pend = {
+        let (pend, gate) = {
             let mut st = self.step();
             if st.pending_attn.is_empty() {
                 return Ok(());
             }
-            std::mem::take(&mut st.pending_attn)
+            (std::mem::take(&mut st.pending_attn), st.pending_gate.take())
         };
         let k = pend[0].key;
         let d = k.head_dim as usize;
@@ -586,9 +634,11 @@ impl CudaBackend {
         a.extend([Arg::Ptr(scores), Arg::Ptr(stats), Arg::Ptr(partial)]);
         let pv = LaunchConfig { shared_mem_bytes: (d * 4) as u32 * (ATTN_THREADS / 32), ..grid(splits) };
         self.launch(&self.k.attn_pv_batch, "attn_pv_batch", pv, &a)?;
-        // attn_reduce_batch(ATTN_BATCH_PARAMS, partial, out, out_cols): also the KV appends.
+        // attn_reduce_batch(ATTN_BATCH_PARAMS, partial, out, out_cols, gate, gate_act): also the KV
+        // appends, and the head gate where it was fused (see `head_gate`).
+        let (gate, gate_act) = gate.map_or((0, 0), |g| (g.g, g.act));
         let mut a = common.to_vec();
-        a.extend([Arg::Ptr(partial), Arg::Ptr(k.out), Arg::U32(k.out_cols)]);
+        a.extend([Arg::Ptr(partial), Arg::Ptr(k.out), Arg::U32(k.out_cols), Arg::Ptr(gate), Arg::I32(gate_act)]);
         self.launch(&self.k.attn_reduce_batch, "attn_reduce_batch", grid(1), &a)
     }
 
@@ -668,7 +718,7 @@ impl CudaBackend {
     fn launch_all(&self, st: &Step, base: u64) -> Result<()> {
         for r in &st.recs {
             match r {
-                Rec::Kernel { f, what, cfg, args } => launch_now(&self.stream, f, what, *cfg, args, base)?,
+                Rec::Kernel { f, what, cfg, args } => launch_now(&self.stream, f, what, *cfg, args, base, self.pdl)?,
                 Rec::Gemm(g) => gemm::run_gemm(self, g)?,
             }
         }
@@ -717,6 +767,23 @@ impl CudaBackend {
     fn elementwise_blocks(n: usize) -> (u32, u32) {
         (blocks_for(n), 1)
     }
+}
+
+/// The shape checks of the RoPE op: `n_rot_heads` heads of `head_dim` in each row of `qkv`, one
+/// position per row, each within the table.
+fn rope_check(
+    qkv: &CudaTensor,
+    positions: &[u32],
+    table: &CudaRope,
+    n_rot_heads: usize,
+    head_dim: usize,
+) -> Result<()> {
+    check(qkv.rows == positions.len() && qkv.cols >= n_rot_heads * head_dim, "rope")?;
+    check(table.rot_dims <= head_dim && table.rot_dims.is_multiple_of(2), "rope (rotary dims)")?;
+    if let Some(&p) = positions.iter().find(|&&p| p as usize >= table.positions) {
+        return Err(Error::invalid(format!("position {p} is beyond the RoPE table ({} positions)", table.positions)));
+    }
+    Ok(())
 }
 
 impl Backend for CudaBackend {
@@ -840,8 +907,9 @@ impl Backend for CudaBackend {
             return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
         }
         // rms_norm(x, w, out, cols, eps, mode); one block per row.
+        let f = if self.opts.fuse { &self.k.rms_norm_vec } else { &self.k.rms_norm };
         self.launch(
-            &self.k.rms_norm,
+            f,
             "rms_norm",
             cfg((u32_of(x.rows, "rows")?, 1), THREADS, 0),
             &[
@@ -870,14 +938,7 @@ impl Backend for CudaBackend {
         head_dim: usize,
         round: DType,
     ) -> Result<()> {
-        check(qkv.rows == positions.len() && qkv.cols >= (n_heads + n_kv_heads) * head_dim, "rope")?;
-        check(table.rot_dims <= head_dim && table.rot_dims.is_multiple_of(2), "rope (rotary dims)")?;
-        if let Some(&p) = positions.iter().find(|&&p| p as usize >= table.positions) {
-            return Err(Error::invalid(format!(
-                "position {p} is beyond the RoPE table ({} positions)",
-                table.positions
-            )));
-        }
+        rope_check(qkv, positions, table, n_heads + n_kv_heads, head_dim)?;
         let half = table.rot_dims / 2;
         if positions.is_empty() || half == 0 {
             return Ok(());
@@ -1016,9 +1077,13 @@ impl Backend for CudaBackend {
             if scored {
                 ensure(&self.stream, &mut s.scores, rows_h * keys, &mut keep)?;
             }
-            self.step().keep.extend(keep);
             let stats = self.ptr_mut(s.stats.as_mut().expect("ensured"));
             let partial = self.ptr_mut(s.partial.as_mut().expect("ensured"));
+            let scores = if scored { self.ptr_mut(s.scores.as_mut().expect("ensured")) } else { 0 };
+            // Released before any launch: a launch may record the pending decode attention,
+            // which takes the scratch lock itself.
+            drop(s);
+            self.step().keep.extend(keep);
             let (kc, vc) = kv.ptrs(&self.stream);
             let common = [
                 Arg::Ptr(self.ptr(qkv.buf())),
@@ -1040,7 +1105,6 @@ impl Backend for CudaBackend {
             let grid = (u32_of(rows_h, "attention rows")?, nsplit as u32);
             let d4 = (d * 4) as u32;
             if scored {
-                let scores = self.ptr_mut(s.scores.as_mut().expect("ensured"));
                 // attn_scores(ATTN_PARAMS, max_keys, scores, stats)
                 let mut a = common.to_vec();
                 a.extend([Arg::U32(u32_of(keys, "keys")?), Arg::Ptr(scores), Arg::Ptr(stats)]);
@@ -1086,7 +1150,6 @@ impl Backend for CudaBackend {
                     Arg::I32(kv.is_bf16() as i32),
                 ],
             )?;
-            drop(s);
             kv.len = end;
             return Ok(());
         }
@@ -1127,6 +1190,24 @@ impl Backend for CudaBackend {
             GateAct::Sigmoid => 0,
             GateAct::Silu => 1,
         };
+        let md = mode(round)?;
+        if self.opts.fuse {
+            // The decode attention of every row of `attn` is still waiting to be launched: its
+            // last kernel applies the gate as it writes `attn` (the same arithmetic).
+            let out = self.ptr(attn.buf());
+            let mut st = self.step();
+            let covered: usize = st.pending_attn.iter().map(|p| (p.rows_h / p.key.n_heads.max(1)) as usize).sum();
+            let fits = st.pending_attn.first().is_some_and(|p| {
+                p.key.out == out
+                    && p.key.mode == md
+                    && p.key.n_heads as usize == g.cols
+                    && p.key.head_dim as usize == head_dim
+            });
+            if fits && covered == attn.rows && st.pending_gate.is_none() {
+                st.pending_gate = Some(step::PendingGate { g: self.ptr(g.buf()), act });
+                return Ok(());
+            }
+        }
         // head_gate(attn, g, n_heads, head_dim, act, mode); one block per row.
         self.launch(
             &self.k.head_gate,
@@ -1138,7 +1219,7 @@ impl Backend for CudaBackend {
                 Arg::U32(u32_of(g.cols, "heads")?),
                 Arg::U32(u32_of(head_dim, "head_dim")?),
                 Arg::I32(act),
-                Arg::I32(mode(round)?),
+                Arg::I32(md),
             ],
         )
     }
@@ -1252,6 +1333,39 @@ impl Backend for CudaBackend {
         gemm::gemv_pair(self, x, (w1, out1), (w2, out2), round)
     }
 
+    fn matmul_pair_rope(
+        &self,
+        x: &CudaTensor,
+        w1: &CudaWeight,
+        out1: &mut CudaTensor,
+        w2: &CudaWeight,
+        out2: &mut CudaTensor,
+        positions: &[u32],
+        table: &CudaRope,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        round: DType,
+    ) -> Result<()> {
+        let half = table.rot_dims / 2;
+        let fused = self.opts.fuse
+            && half > 0
+            && !positions.is_empty()
+            && gemm::gemv_takes(self, x, w1)
+            && gemm::gemv_takes(self, x, w2);
+        if !fused {
+            self.matmul_pair(x, w1, out1, w2, out2, round)?;
+            return self.rope(out1, positions, table, n_heads, n_kv_heads, head_dim, round);
+        }
+        check(
+            out1.rows == x.rows && out1.cols == w1.rows && out2.rows == x.rows && out2.cols == w2.rows,
+            "matmul_pair_rope",
+        )?;
+        rope_check(out1, positions, table, n_heads + n_kv_heads, head_dim)?;
+        let pos = self.step().stage_positions(positions);
+        gemm::gemv_qkv_rope(self, x, (w1, out1), (w2, out2), (pos, table), (n_heads + n_kv_heads, head_dim), round)
+    }
+
     fn matmul_geglu(
         &self,
         x: &CudaTensor,
@@ -1293,8 +1407,9 @@ impl Backend for CudaBackend {
             return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
         }
         // add_rms_norm(h, x, w, out, cols, eps, mode); one block per row.
+        let f = if self.opts.fuse { &self.k.add_rms_norm_vec } else { &self.k.add_rms_norm };
         self.launch(
-            &self.k.add_rms_norm,
+            f,
             "add_rms_norm",
             cfg((u32_of(h.rows, "rows")?, 1), THREADS, 0),
             &[

@@ -77,6 +77,14 @@ pub struct PendingAttn {
     pub vc: u64,
 }
 
+/// A head gate fused into the pending decode attention: the gate activations `[rows, n_heads]`
+/// and the activation (0 = sigmoid, 1 = silu).
+#[derive(Debug, Clone, Copy)]
+pub struct PendingGate {
+    pub g: u64,
+    pub act: i32,
+}
+
 /// One recorded operation.
 pub enum Rec {
     Kernel { f: CudaFunction, what: &'static str, cfg: LaunchConfig, args: Vec<Arg> },
@@ -119,6 +127,8 @@ pub struct Step {
     never: Vec<u64>,
     /// Decode chunks' attention, launched together when the next other operation is recorded.
     pub pending_attn: Vec<PendingAttn>,
+    /// The head gate to apply in the pending attention's last kernel (see `head_gate`).
+    pub pending_gate: Option<PendingGate>,
     /// Token rows of the step (from its embedding lookup).
     pub rows: usize,
     /// Graphs captured and graph launches (captures included), for tests and reports.

@@ -55,6 +55,8 @@ const FALLBACKS: Options = Options {
     batch_attention: false,
     gemv_max_rows: 16,
     pinned_read: false,
+    pdl: false,
+    fuse: false,
 };
 
 #[test]
@@ -83,6 +85,10 @@ fn bf16_checkpoint_matches_bf16_reference() {
     let Some(b) = backend(Options::default()) else { return };
     let mut m = model(b, "testdata/golden/m8/ckpt_bf16");
     check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "cuda bf16 m8 (GEMV, scored and dense attention, graphs)");
+    // The GEMV kernels for up to 16 rows (by default steps of more than 4 rows take cuBLAS).
+    let Some(b) = backend(Options { gemv_max_rows: 16, ..Options::default() }) else { return };
+    let mut m = model(b, "testdata/golden/m8/ckpt_bf16");
+    check_bf16_parity(&mut m, &m8_golden(), BF16_TOL, "cuda bf16 m8 (GEMV up to 16 rows)");
 }
 
 #[test]
@@ -162,6 +168,87 @@ fn batched_decode_attention_matches_per_sequence_launches() {
     let a = decode_batch(&mut batched, 5, 40);
     let b = decode_batch(&mut single, 5, 40);
     assert_eq!(max_abs_diff(&a, &b), 0.0, "batched attention differs from per-sequence launches");
+}
+
+/// The experimental kernels (`Options::fuse`: the RoPE in the QKV GEMV, the head gate in the
+/// decode attention, RMSNorm in registers) and/or programmatic dependent launches (`pdl`) give the
+/// same bits as the default kernels launched plainly: one sequence (graphs) and four (batched
+/// attention, sequences of different lengths), bf16 m8 (partial and full rotary layers).
+fn experimental_matches_default(fuse: bool, pdl: bool) {
+    for seqs in [1, 4] {
+        let Some(b) = backend(Options { fuse, pdl, ..Options::default() }) else { return };
+        let Some(b2) = backend(Options::default()) else { return };
+        let mut fast = model(b, "testdata/golden/m8/ckpt_bf16");
+        let mut plain = model(b2, "testdata/golden/m8/ckpt_bf16");
+        let a = decode_batch(&mut fast, seqs, 40);
+        eprintln!("fuse {fuse}, pdl {pdl}: {seqs} sequence(s) decoded");
+        let b = decode_batch(&mut plain, seqs, 40);
+        assert_eq!(max_abs_diff(&a, &b), 0.0, "{seqs} sequence(s): fuse {fuse}, pdl {pdl} differ from the default");
+    }
+}
+
+// Ignored until they pass on a GPU: on the H200 (session 6, run 2) the four-sequence case hung
+// with the fused kernels, PDL on or off. The cause found afterwards: with the head gate fused, the
+// pending decode attention was recorded from inside a cuBLAS GEMM's set-up (a 23-token prefill)
+// that held the scratch lock, which recording takes again (a self-deadlock; fixed, the lock is
+// released before any launch). scripts/gpu-check.sh runs these with timeouts.
+#[test]
+#[ignore = "experimental: hung on an H200 before the scratch-lock fix; not yet rerun on a GPU"]
+fn fused_kernels_match_default() {
+    experimental_matches_default(true, false);
+}
+
+#[test]
+#[ignore = "experimental: not yet run with several sequences on a GPU"]
+fn pdl_matches_default() {
+    experimental_matches_default(false, true);
+}
+
+#[test]
+#[ignore = "experimental: hung on an H200 before the scratch-lock fix; not yet rerun on a GPU"]
+fn fused_kernels_with_pdl_match_default() {
+    experimental_matches_default(true, true);
+}
+
+/// A step that mixes one sequence's decode token with another's whole prompt (as the server's
+/// scheduler batches them), bf16: the decode attention waits to be launched while the prompt's
+/// attention and GEMMs are recorded (this deadlocked on the scratch lock before session 6's fix
+/// where the prompt took the dense attention or cuBLAS). Checked against the same tokens run
+/// in separate steps, within the bf16 tolerance (the GEMMs see different row counts).
+#[test]
+fn mixed_prefill_and_decode_steps_match_separate_steps() {
+    let run = |mixed: bool| -> Vec<f32> {
+        let b = backend(Options::default()).expect("device 0");
+        let mut m = model(b, "testdata/golden/m8/ckpt_bf16");
+        let vocab = m.info().vocab;
+        let a: Vec<u32> = (0..9).map(|i| 3 + i * 11 % 300).collect();
+        let mut row = vec![0.0; vocab];
+        m.forward(&[SeqStep { seq_id: 1, tokens: &a, start_pos: 0, logits: LogitsMode::Last }], &mut row).unwrap();
+        let mut all = row.clone();
+        for (pos, len) in [(9u32, 23u32), (10, 40)] {
+            // Sequence 1 decodes one token (at pos) while sequence `len` is prefilled from scratch.
+            let b_toks: Vec<u32> = (0..len).map(|i| 5 + (i * 7 + len) % 400).collect();
+            let step_a = [3 + len];
+            let sa = SeqStep { seq_id: 1, tokens: &step_a, start_pos: pos, logits: LogitsMode::Last };
+            let sb = SeqStep { seq_id: len as u64 + 10, tokens: &b_toks, start_pos: 0, logits: LogitsMode::Last };
+            let mut out = vec![0.0; 2 * vocab];
+            if mixed {
+                m.forward(&[sa, sb], &mut out).unwrap();
+            } else {
+                m.forward(&[sa], &mut out[..vocab]).unwrap();
+                m.forward(&[sb], &mut out[vocab..]).unwrap();
+            }
+            all.extend_from_slice(&out);
+        }
+        all
+    };
+    if backend(Options::default()).is_none() {
+        return;
+    }
+    let (mixed, separate) = (run(true), run(false));
+    let d = max_abs_diff(&mixed, &separate);
+    eprintln!("mixed vs separate steps (bf16): max |diff| {d:e}");
+    assert!(d <= BF16_TOL.max, "mixed steps differ from separate steps by {d:e}");
 }
 
 /// Results read back through page-locked memory are the same as through pageable memory.
@@ -272,6 +359,8 @@ fn bundled_ptx_is_current() {
         eprintln!("skipped: libnvrtc not found (put it on LD_LIBRARY_PATH to check the bundled PTX)");
         return;
     }
+    // The sm_90 build (programmatic dependent launch) must compile too; it is not bundled.
+    kernels::compile("compute_90").expect("NVRTC compiles kernels.cu for compute_90");
     let ptx = kernels::compile(kernels::BUNDLED_ARCH).expect("NVRTC compiles kernels.cu");
     if std::env::var("SPARK_CUDA_WRITE_PTX").is_ok_and(|v| v == "1") {
         let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/kernels.ptx");

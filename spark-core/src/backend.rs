@@ -154,6 +154,26 @@ pub trait Backend: Send {
         self.matmul(x, w1, out1, round)?;
         self.matmul(x, w2, out2, round)
     }
+    /// `out1 = x W1^T; out2 = x W2^T`, then the RoPE of `out1` (the fused QKV projection, its
+    /// rotation, and the head-gate projection).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_pair_rope(
+        &self,
+        x: &Self::Tensor,
+        w1: &Self::Weight,
+        out1: &mut Self::Tensor,
+        w2: &Self::Weight,
+        out2: &mut Self::Tensor,
+        positions: &[u32],
+        table: &Self::Rope,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        round: DType,
+    ) -> Result<()> {
+        self.matmul_pair(x, w1, out1, w2, out2, round)?;
+        self.rope(out1, positions, table, n_heads, n_kv_heads, head_dim, round)
+    }
     /// `gate = x Wg^T; up = x Wu^T; out = geglu(gate, up)` (`gate` and `up` are scratch: a fused
     /// form need not write them).
     #[allow(clippy::too_many_arguments)]

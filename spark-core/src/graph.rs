@@ -218,8 +218,9 @@ impl<B: Backend> Model<B> {
             b.rms_norm(&h, &l0.attn_norm, cfg.rms_eps, &mut x, act)?;
         }
         for (li, l) in self.layers.iter().enumerate() {
-            b.matmul_pair(&x, &l.qkv, &mut qkv, &l.gate, &mut g, act)?;
-            b.rope(&mut qkv, &positions, &self.ropes[l.kind.index()], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, act)?;
+            let rope = &self.ropes[l.kind.index()];
+            let (nh, nkv, hd) = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+            b.matmul_pair_rope(&x, &l.qkv, &mut qkv, &l.gate, &mut g, &positions, rope, nh, nkv, hd, act)?;
             let shape = AttnShape {
                 n_heads: cfg.n_heads,
                 n_kv_heads: cfg.n_kv_heads,
