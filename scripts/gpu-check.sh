@@ -106,57 +106,75 @@ run)
 
   # The golden tests (m8), then CUDA against CPU on the real-shape checkpoint.
   export SPARK_CUDA_CHECK_CKPT="$ckpt"
+  # Each test on its own, with its own timeout, so that one that fails or hangs is named; one
+  # that fails is run again with programmatic dependent launch off (SPARK_CUDA_NO_PDL=1) and
+  # with every kernel waited for (SPARK_CUDA_DEBUG_SYNC=1), to tell a race from a wrong result.
+  # The ignored tests (experimental kernels, see cuda_parity.rs) run too, with a short timeout
+  # and no second run: which of them hang is the finding.
+  failed=()
   for t in "$dir"/tests/*; do
     step "test $(basename "$t")"
-    if ! timeout 180 "$t" --test-threads=1 --nocapture; then
-      echo "FAILED: $(basename "$t"); again with SPARK_CUDA_DEBUG_SYNC=1 (each kernel waited for)"
-      status=1
-      SPARK_CUDA_DEBUG_SYNC=1 timeout 60 "$t" --test-threads=1 --nocapture f32_parity_with_cublas
-      if command -v compute-sanitizer >/dev/null; then
-        step "compute-sanitizer memcheck $(basename "$t") f32_parity_with_cublas"
-        timeout 60 compute-sanitizer --tool memcheck "$t" --test-threads=1 f32_parity_with_cublas | tail -60
+    mapfile -t names < <("$t" --list 2>/dev/null | sed -n 's/: test$//p')
+    mapfile -t ignored < <("$t" --list --ignored 2>/dev/null | sed -n 's/: test$//p')
+    for n in "${names[@]}"; do
+      experimental=0
+      for i in "${ignored[@]}"; do [ "$i" = "$n" ] && experimental=1; done
+      limit=45; [ $experimental = 1 ] && limit=25
+      if timeout $limit "$t" --exact "$n" --include-ignored --test-threads=1 --nocapture >"$dir/test.out" 2>&1; then
+        grep -v -E '^(running|test result|$)' "$dir/test.out"
+      else
+        echo "FAILED (status $?)$([ $experimental = 1 ] && echo ' [experimental]'): $n"; tail -40 "$dir/test.out"
+        if [ $experimental = 0 ]; then failed+=("$t::$n"); status=1; fi
       fi
-    fi
+    done
+  done
+  for f in "${failed[@]}"; do
+    t=${f%%::*}; n=${f#*::}
+    step "again: $n with SPARK_CUDA_NO_PDL=1"
+    SPARK_CUDA_NO_PDL=1 timeout 45 "$t" --exact "$n" --test-threads=1 --nocapture 2>&1 | tail -20
+    step "again: $n with SPARK_CUDA_DEBUG_SYNC=1"
+    SPARK_CUDA_DEBUG_SYNC=1 timeout 45 "$t" --exact "$n" --test-threads=1 --nocapture 2>&1 | tail -20
   done
 
-  step "bench cuda 1.7B bf16: pp2048 tg128, batch 1"
-  timeout 150 "$spark" --backend cuda bench --model "$ckpt" -p 2048 -n 128 -r 3 --ctx-size 4096 --json \
-    | tee "$out/bench-b1.jsonl" || status=1
-  if "$spark" bench --help 2>/dev/null | grep -q -- '--batch'; then
-    step "bench cuda 1.7B bf16: tg128, batch 16"
-    timeout 100 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 --batch 16 --json \
-      | tee "$out/bench-b16.jsonl" || status=1
-  else
-    echo "note: this spark-run has no 'bench --batch'; batch 16 not measured"
-  fi
-  for b in 4 8; do
-    step "bench cuda 1.7B bf16: tg128, batch $b"
-    timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 --batch $b --json \
-      | tee "$out/bench-b$b.jsonl" || status=1
+  # Benches: one JSON line per test in $out/bench.jsonl, each tagged with its variant (one knob
+  # changed against the default of the same run).
+  bench() {  # bench VARIANT BATCH PROMPT ENV...
+    local name=$1 b=$2 p=$3
+    shift 3
+    step "bench cuda 1.7B bf16: ${p:+pp$p }tg128, batch $b, $name $*"
+    env "$@" timeout 120 "$spark" --backend cuda bench --model "$ckpt" -p "$p" -n 128 -r 3 --ctx-size 4096 --batch "$b" \
+      --json | sed "s/^{/{\"variant\":\"$name\",/" | tee -a "$out/bench.jsonl"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  }
+  bench default 1 2048
+  for b in 4 8 16; do bench default $b 0; done
+  bench pinned 1 0 SPARK_CUDA_PINNED_READ=1
+  bench pinned 16 0 SPARK_CUDA_PINNED_READ=1
+  bench pdl 1 0 SPARK_CUDA_PDL=1
+  bench fuse 1 0 SPARK_CUDA_FUSE=1
+  bench fuse+pdl 1 0 SPARK_CUDA_FUSE=1 SPARK_CUDA_PDL=1
+  bench nographs 1 0 SPARK_CUDA_NO_GRAPHS=1
+  for r in 4 8; do
+    bench "gemv$r" 8 0 SPARK_CUDA_GEMV_MAX_ROWS=$r
+    bench "gemv$r" 16 0 SPARK_CUDA_GEMV_MAX_ROWS=$r
   done
-  step "bench cuda 1.7B bf16: tg128, batch 16, cuBLAS above 4 rows (SPARK_CUDA_GEMV_MAX_ROWS=4)"
-  SPARK_CUDA_GEMV_MAX_ROWS=4 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 \
-    --batch 16 --json | tee "$out/bench-b16-gemv4.jsonl" || status=1
-  step "bench cuda 1.7B bf16: tg128, batch 16, attention per sequence (SPARK_CUDA_NO_BATCH_ATTENTION=1)"
-  SPARK_CUDA_NO_BATCH_ATTENTION=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 \
-    --ctx-size 4096 --batch 16 --json | tee "$out/bench-b16-nobatchattn.jsonl" || status=1
-  step "bench cuda 1.7B bf16: tg128, batch 16, results read through pinned memory (SPARK_CUDA_PINNED_READ=1)"
-  SPARK_CUDA_PINNED_READ=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 \
-    --batch 16 --json | tee "$out/bench-b16-pinned.jsonl" || status=1
-  step "bench cuda 1.7B bf16: tg128, batch 1, without CUDA graphs (SPARK_CUDA_NO_GRAPHS=1)"
-  SPARK_CUDA_NO_GRAPHS=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 3 --ctx-size 4096 --json \
-    | tee "$out/bench-b1-nographs.jsonl" || status=1
+  bench gemv0 4 0 SPARK_CUDA_GEMV_MAX_ROWS=0
   # GPU time per kernel (CUDA events around each launch; no graphs then): prefill, then decode.
   step "profile cuda: pp2048 (SPARK_CUDA_PROFILE=1)"
   SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 2048 -n 0 -r 1 --ctx-size 4096
   step "profile cuda: tg128 batch 1 (SPARK_CUDA_PROFILE=1)"
   SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096
+  step "profile cuda: tg128 batch 16 (SPARK_CUDA_PROFILE=1)"
+  SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 32 -r 1 --ctx-size 4096 --batch 16
 
   step "host time per step: tg128 batch 1 (SPARK_CUDA_PROFILE=steps)"
   SPARK_CUDA_PROFILE=steps timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096 2>&1 | grep -E 'cuda steps|tg128'
   step "host time per step: tg128 batch 16 (SPARK_CUDA_PROFILE=steps)"
   SPARK_CUDA_PROFILE=steps timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096 \
     --batch 16 2>&1 | grep -E 'cuda steps|tg128'
+  step "host time per step: tg128 batch 16, pinned reads (SPARK_CUDA_PROFILE=steps SPARK_CUDA_PINNED_READ=1)"
+  SPARK_CUDA_PINNED_READ=1 SPARK_CUDA_PROFILE=steps timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 \
+    -r 1 --ctx-size 4096 --batch 16 2>&1 | grep -E 'cuda steps|tg128'
 
   # A peer on the same GPU and checkpoint: the model in plain PyTorch (eager, and decode as a
   # torch CUDA graph), where python3 has torch (no other engine can be installed there).
@@ -175,7 +193,7 @@ run)
     timeout 60 "$spark" backends 2>&1 | grep -A2 '^wgpu'
     step "bench wgpu 1.7B: pp512 tg128, batch 1"
     timeout 120 "$spark" --backend wgpu bench --model "$ckpt" -p 512 -n 128 -r 2 --ctx-size 4096 --json \
-      | tee "$out/bench-wgpu.jsonl" || echo "wgpu bench failed or timed out"
+      | sed 's/^{/{"variant":"wgpu",/' | tee -a "$out/bench.jsonl" || echo "wgpu bench failed or timed out"
   fi
 
   # The CPU kernels on this host's processor (another CPU model than the build machine's).
