@@ -598,7 +598,18 @@ impl CudaBackend {
             splits = splits.max(p.nsplit);
         }
         let tab = self.step().stage(&table);
-        let mut s = self.scratch();
+        // This runs inside launches: one made while this thread held the scratch lock would
+        // deadlock here (the session-6 hang), so that is reported as the bug it is instead.
+        let mut s = match self.scratch.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                return Err(Error::internal(
+                    "cuda backend: the decode attention was recorded while the scratch buffers were locked \
+                     (a launch inside a scratch-lock scope)",
+                ))
+            }
+        };
         let mut keep = vec![];
         ensure(&self.stream, &mut s.stats, so, &mut keep)?;
         ensure(&self.stream, &mut s.partial, po, &mut keep)?;
@@ -716,9 +727,12 @@ impl CudaBackend {
 
     /// Launch every recorded operation of `st` in order.
     fn launch_all(&self, st: &Step, base: u64) -> Result<()> {
+        // PDL for decode-sized steps only: in a profiled pp2048 (H200) it slowed the elementwise
+        // kernels around the prefill GEMMs about 1.5x.
+        let pdl = self.pdl && st.rows <= GRAPH_MAX_ROWS;
         for r in &st.recs {
             match r {
-                Rec::Kernel { f, what, cfg, args } => launch_now(&self.stream, f, what, *cfg, args, base, self.pdl)?,
+                Rec::Kernel { f, what, cfg, args } => launch_now(&self.stream, f, what, *cfg, args, base, pdl)?,
                 Rec::Gemm(g) => gemm::run_gemm(self, g)?,
             }
         }
