@@ -135,13 +135,18 @@ run)
     step "again: $n with SPARK_CUDA_DEBUG_SYNC=1"
     SPARK_CUDA_DEBUG_SYNC=1 timeout 45 "$t" --exact "$n" --test-threads=1 --nocapture 2>&1 | tail -20
   done
+  if [ "${#failed[@]}" -gt 0 ] && command -v compute-sanitizer >/dev/null; then
+    t=${failed[0]%%::*}; n=${failed[0]#*::}
+    step "compute-sanitizer memcheck: $n"
+    timeout 90 compute-sanitizer --tool memcheck "$t" --exact "$n" --test-threads=1 2>&1 | tail -60
+  fi
 
   # Benches: one JSON line per test in $out/bench.jsonl, each tagged with its variant (one knob
   # changed against the default of the same run).
   bench() {  # bench VARIANT BATCH PROMPT ENV...
     local name=$1 b=$2 p=$3
     shift 3
-    step "bench cuda 1.7B bf16: ${p:+pp$p }tg128, batch $b, $name $*"
+    step "bench cuda 1.7B bf16: $([ "$p" != 0 ] && echo "pp$p ")tg128, batch $b, $name $*"
     env "$@" timeout 120 "$spark" --backend cuda bench --model "$ckpt" -p "$p" -n 128 -r 3 --ctx-size 4096 --batch "$b" \
       --json | sed "s/^{/{\"variant\":\"$name\",/" | tee -a "$out/bench.jsonl"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -154,7 +159,8 @@ run)
   bench fuse 1 0 SPARK_CUDA_FUSE=1
   bench fuse+pdl 1 0 SPARK_CUDA_FUSE=1 SPARK_CUDA_PDL=1
   bench nographs 1 0 SPARK_CUDA_NO_GRAPHS=1
-  for r in 4 8; do
+  # The default sends steps of more than 4 rows to cuBLAS (gemm::GEMV_DEFAULT_ROWS).
+  for r in 8 16; do
     bench "gemv$r" 8 0 SPARK_CUDA_GEMV_MAX_ROWS=$r
     bench "gemv$r" 16 0 SPARK_CUDA_GEMV_MAX_ROWS=$r
   done

@@ -543,6 +543,20 @@ impl CudaBackend {
         lock(&self.step)
     }
 
+    /// The RMSNorm kernel (with the residual add fused: `add`) for norm weight `w`, which must be
+    /// f32: the strided one, or with `Options::fuse` the one that holds the row in registers.
+    fn norm_kernel(&self, w: &CudaWeight, add: bool) -> Result<&CudaFunction> {
+        if w.dtype != DType::F32 {
+            return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
+        }
+        Ok(match (add, self.opts.fuse) {
+            (false, false) => &self.k.rms_norm,
+            (false, true) => &self.k.rms_norm_vec,
+            (true, false) => &self.k.add_rms_norm,
+            (true, true) => &self.k.add_rms_norm_vec,
+        })
+    }
+
     /// Record a launch of `f` (run when the step runs: see [`step`]).
     fn launch(&self, f: &CudaFunction, what: &'static str, c: LaunchConfig, args: &[Arg]) -> Result<()> {
         if c.grid_dim.0 == 0 || c.grid_dim.1 == 0 || c.grid_dim.2 == 0 {
@@ -917,11 +931,8 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32, out: &mut CudaTensor, round: DType) -> Result<()> {
         check(x.rows == out.rows && x.cols == out.cols && w.rows * w.cols == x.cols, "rms_norm")?;
-        if w.dtype != DType::F32 {
-            return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
-        }
+        let f = self.norm_kernel(w, false)?;
         // rms_norm(x, w, out, cols, eps, mode); one block per row.
-        let f = if self.opts.fuse { &self.k.rms_norm_vec } else { &self.k.rms_norm };
         self.launch(
             f,
             "rms_norm",
@@ -1417,11 +1428,8 @@ impl Backend for CudaBackend {
                 && w.rows * w.cols == h.cols,
             "add_rms_norm",
         )?;
-        if w.dtype != DType::F32 {
-            return Err(Error::internal("cuda backend: RMSNorm weights must be uploaded as f32"));
-        }
+        let f = self.norm_kernel(w, true)?;
         // add_rms_norm(h, x, w, out, cols, eps, mode); one block per row.
-        let f = if self.opts.fuse { &self.k.add_rms_norm_vec } else { &self.k.add_rms_norm };
         self.launch(
             f,
             "add_rms_norm",
