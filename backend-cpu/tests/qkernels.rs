@@ -94,11 +94,13 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
     let mut seed = 11u64;
     let pools: Vec<_> =
         [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+    let mut modes = std::collections::BTreeSet::new();
     for &(cols, rows) in &[(32, 37), (96, 37), (128, 21), (160, 37), (2080, 19), (2176, 7)] {
         for (format, group, bias, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, &mut seed);
             let deq = qt.dequantize();
             let w = QMat::from_qtensor(&qt);
+            modes.insert(format!("{:?}", w.mode));
             for &n in &[1usize, 2, 3, 5, 17, 33] {
                 let x = random_x(n, cols, &mut seed);
                 let act = QAct::quantize(&x, n, cols, &w);
@@ -134,6 +136,10 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
                 }
             }
         }
+    }
+    // Every scale layout the kernels specialize on ran (group 32 comes as Pair and as Block).
+    for mode in ["Row", "Chunk", "Block", "Pair", "Half"] {
+        assert!(modes.contains(mode), "no shape exercised ScaleMode::{mode} (saw {modes:?})");
     }
 }
 

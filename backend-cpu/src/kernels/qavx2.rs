@@ -115,8 +115,11 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nb);
+    let [ps, pb] = a.side_prefetchers(R, nb);
     for b in 0..nb {
         pf.step(b);
+        ps.step(b);
+        pb.step(b);
         let mut wu = [_mm256_setzero_si256(); R];
         let mut ws = [_mm256_setzero_si256(); R];
         let mut sv = [_mm256_setzero_ps(); R];
@@ -152,6 +155,7 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
             if S::ROW {
                 out[r][t] *= *a.s.add(r * a.ng);
             }
+            out[r][t] += a.bias_term(r, t);
         }
     }
     out

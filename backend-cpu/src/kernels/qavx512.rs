@@ -1,12 +1,16 @@
 //! AVX-512 VNNI integer kernels for [`super::qmatmul`] (x86-64).
 //!
 //! Per 64-column chunk (two 32-blocks): one `vpdpbusd` of the unsigned weight bytes (int8 as
-//! `q + 128`, the stored signed bytes with the top bit flipped; int4 nibbles unpacked from 32
-//! bytes) with the signed activation bytes gives 16 i32
-//! lanes (lanes 0-7 the first block, 8-15 the second), converted to f32 and accumulated with one
-//! FMA by a 16-lane `weight scale * activation scale` vector. The zero point (128 for int8, 8
-//! for int4) is removed exactly: each `vpdpbusd` starts from `-zero *` the activations' 4-column
-//! sums instead of 0. Every function is `unsafe` and needs AVX-512F, AVX-512BW and AVX-512 VNNI.
+//! `q + 128`, the stored signed bytes with the top bit flipped; int4 as the chunk's 32 bytes
+//! broadcast to both halves of the register and masked, the low nibbles in bytes 0-31 and the
+//! high nibbles, left in place, i.e. times 16, in bytes 32-63) with the signed activation bytes
+//! gives 16 i32 lanes (lanes 0-7 the first block, 8-15 the second), converted to f32 and
+//! accumulated with one FMA by a 16-lane `weight scale * activation scale` vector (for int4 the
+//! activation scales of lanes 8-15 carry the factor 1/16: a power of two, so the products are
+//! bit-identical to unpacking the nibbles). The zero point (128 for int8, 8 for int4, 128 for
+//! the int4 high nibbles in place) is removed exactly: each `vpdpbusd` starts from `-zero *` the
+//! activations' 4-column sums instead of 0. Every function is `unsafe` and needs AVX-512F,
+//! AVX-512BW and AVX-512 VNNI.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -23,6 +27,12 @@ trait Fmt {
     /// `-zero * s` for the 4-column activation sums `s`.
     unsafe fn start(s: __m512i) -> __m512i;
     unsafe fn chunk(w: *const u8, c: usize) -> __m512i;
+    /// The activation scales `dv` of a chunk's 16 lanes, adjusted for how [`Fmt::chunk`] scales
+    /// the weight bytes.
+    #[inline(always)]
+    unsafe fn act_scales(dv: __m512) -> __m512 {
+        dv
+    }
 }
 
 struct I8;
@@ -44,15 +54,47 @@ impl Fmt for I4 {
     const UNPACK: bool = true;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
-        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<3>(s))
+        // Lanes 0-7: low nibbles, zero point 8; lanes 8-15: high nibbles in place, 16 * 8.
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_sllv_epi32(s, I4_SHIFT.v))
     }
     #[inline(always)]
     unsafe fn chunk(w: *const u8, c: usize) -> __m512i {
-        let v = _mm256_loadu_si256(w.add(c * 32) as *const __m256i);
-        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4));
-        _mm512_and_si512(both, _mm512_set1_epi8(0x0F))
+        // One broadcast load (no shuffle uop) and one mask: `16 * high nibble` in bytes 32-63.
+        let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(c * 32) as *const __m256i));
+        _mm512_and_si512(v, I4_MASK.v)
+    }
+    #[inline(always)]
+    unsafe fn act_scales(dv: __m512) -> __m512 {
+        _mm512_mul_ps(dv, I4_LANE_SCALE.v)
     }
 }
+
+#[repr(C)]
+union Bytes {
+    a: [u8; 64],
+    v: __m512i,
+}
+#[repr(C)]
+union Floats {
+    a: [f32; 16],
+    v: __m512,
+}
+/// Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
+const I4_MASK: Bytes = {
+    let mut a = [0x0Fu8; 64];
+    let mut i = 32;
+    while i < 64 {
+        a[i] = 0xF0;
+        i += 1;
+    }
+    Bytes { a }
+};
+/// The zero point's shift per lane: `8 = 1 << 3` for the low nibbles, `128 = 1 << 7` in place.
+const I4_SHIFT: Idx = Idx { a: [3, 3, 3, 3, 3, 3, 3, 3, 7, 7, 7, 7, 7, 7, 7, 7] };
+/// Undoes the high nibbles' factor 16 (exact: a power of two).
+const I4_LANE_SCALE: Floats = Floats {
+    a: [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625],
+};
 
 /// How the weight scales of a chunk fill 16 lanes (four columns each).
 trait Scale {
@@ -100,6 +142,18 @@ impl Scale for Block {
     }
 }
 
+/// One scale per 32-block, the chunk's two adjacent in the row ([`ScaleMode::Pair`]).
+struct Pair;
+
+impl Scale for Pair {
+    const WIDE_SCALES: bool = true;
+    #[inline(always)]
+    unsafe fn sv(s: *const f32, _sidx: *const u32, c: usize) -> __m512 {
+        let two = _mm_castsi128_ps(_mm_loadl_epi64(s.add(2 * c) as *const __m128i));
+        _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(two))
+    }
+}
+
 impl Scale for Half {
     const WIDE_SCALES: bool = true;
     #[inline(always)]
@@ -132,8 +186,11 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nc);
+    let [ps, pb] = a.side_prefetchers(R, nc);
     for c in 0..nc {
         pf.step(c);
+        ps.step(c);
+        pb.step(c);
         let mut wv = [_mm512_setzero_si512(); R];
         let mut sv = [_mm512_setzero_ps(); R];
         for r in 0..R {
@@ -145,7 +202,7 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
         for t in 0..T {
             let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
             let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
-            let dv = _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2));
+            let dv = F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)));
             let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
             for r in 0..R {
                 let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
@@ -161,6 +218,7 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
             if S::ROW {
                 out[r][t] *= *a.s.add(r * a.ng);
             }
+            out[r][t] += a.bias_term(r, t);
         }
     }
     out
@@ -189,9 +247,11 @@ pub(crate) unsafe fn rows_tokens<'a>(
         (QFormat::I4, ScaleMode::Row) => run::<I4, PerRow>(args, r0, r1, t0, nt, tmp, ld),
         (QFormat::I8, ScaleMode::Chunk) => run::<I8, Chunk>(args, r0, r1, t0, nt, tmp, ld),
         (QFormat::I8, ScaleMode::Block) => run::<I8, Block>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Pair) => run::<I8, Pair>(args, r0, r1, t0, nt, tmp, ld),
         (QFormat::I8, ScaleMode::Half) => run::<I8, Half>(args, r0, r1, t0, nt, tmp, ld),
         (QFormat::I4, ScaleMode::Chunk) => run::<I4, Chunk>(args, r0, r1, t0, nt, tmp, ld),
         (QFormat::I4, ScaleMode::Block) => run::<I4, Block>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I4, ScaleMode::Pair) => run::<I4, Pair>(args, r0, r1, t0, nt, tmp, ld),
         (QFormat::I4, ScaleMode::Half) => run::<I4, Half>(args, r0, r1, t0, nt, tmp, ld),
     }
 }
