@@ -104,3 +104,20 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
         }
     }
 }
+
+/// `Row::to_f32` of bf16 rows (AVX-512 where present, with a scalar tail) is the exact bit shift
+/// for every length and bit pattern: NaN payloads, infinities, denormals, signed zeros.
+#[test]
+fn bf16_rows_convert_exactly() {
+    use spark_backend_cpu::kernels::Row;
+    let special = [0x0000u16, 0x8000, 0x7f80, 0xff80, 0x7fc1, 0xffff, 0x0001, 0x807f, 0x3f80, 0xc2f7];
+    for n in 0..70usize {
+        let src: Vec<u16> =
+            (0..n).map(|i| special[i % special.len()].wrapping_add((i / special.len()) as u16 * 0x111)).collect();
+        let mut out = vec![0.0f32; n];
+        Row::BF16(&src).to_f32(&mut out);
+        for (i, (&b, &o)) in src.iter().zip(&out).enumerate() {
+            assert_eq!(o.to_bits(), (b as u32) << 16, "n={n} element {i}: bits {b:#06x}");
+        }
+    }
+}

@@ -1,5 +1,6 @@
-//! AVX-512F kernels (x86-64): the prefill micro-kernel on 16-float vectors. Callers must have
-//! checked `Simd::Avx512` (which implies AVX2, FMA and F16C too).
+//! AVX-512F kernels (x86-64): the prefill micro-kernel on 16-float vectors, and the bf16 -> f32
+//! row conversion (attention's key / value tiles). Callers must have checked `Simd::Avx512`
+//! (which implies AVX2, FMA and F16C too) or AVX-512F itself.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -28,5 +29,25 @@ pub unsafe fn panel_kernel<const T: usize>(x: &[*const f32; T], panel: &[f32], k
     }
     for t in 0..T {
         _mm512_storeu_ps(out[t].as_mut_ptr(), a[t]);
+    }
+}
+
+/// `out[i] = f32(src[i])` for bf16 bits `src` (exact: the bits shifted into the high half).
+///
+/// # Safety
+/// The CPU must support AVX-512F; `out.len() == src.len()`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn bf16_to_f32(src: &[u16], out: &mut [f32]) {
+    let n = src.len();
+    let (sp, op) = (src.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(sp.add(i) as *const __m256i));
+        _mm512_storeu_si512(op.add(i) as *mut _, _mm512_slli_epi32::<16>(v));
+        i += 16;
+    }
+    while i < n {
+        *op.add(i) = f32::from_bits((*sp.add(i) as u32) << 16);
+        i += 1;
     }
 }
