@@ -155,7 +155,11 @@ impl CpuKv {
 /// exact two-pass softmax of the reference, in the same order as a one-row loop: scores rounded
 /// to the activation type, max, `exp`, sum, probabilities rounded, then `sum_j p_j v_j` rounded.
 /// Sliding layers read at most `window` keys per query, so their cost does not grow with the
-/// context.
+/// context. Memory does not grow with it either: a task holds the scores of at most
+/// [`SCORE_BUDGET`] bytes; a longer span (full layers deep into a long context) runs the same
+/// passes segment by segment, recomputing the scores (bit-identical, about twice the
+/// attention arithmetic) instead of an online softmax, which could not round the normalized
+/// probabilities to the activation type as the reference does.
 pub fn attend(
     simd: Simd,
     qkv: &CpuTensor,
@@ -164,6 +168,26 @@ pub fn attend(
     kv: &CpuKv,
     out: &mut CpuTensor,
     round: DType,
+) {
+    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET)
+}
+
+/// Bytes of scores one attention task holds at most (16 MiB: a decode block of 8 heads keeps
+/// up to 512k positions in one pass, a prefill block of 64 rows 64k).
+const SCORE_BUDGET: usize = 16 << 20;
+
+/// [`attend`] with the task's score memory capped at `score_budget` bytes (tests force the
+/// segmented passes with a small one).
+#[allow(clippy::too_many_arguments)]
+fn attend_with_budget(
+    simd: Simd,
+    qkv: &CpuTensor,
+    chunk: AttnChunk,
+    shape: AttnShape,
+    kv: &CpuKv,
+    out: &mut CpuTensor,
+    round: DType,
+    score_budget: usize,
 ) {
     let d = shape.head_dim;
     let qd = shape.n_heads * d;
@@ -186,7 +210,7 @@ pub fn attend(
         let i1 = (i0 + qb).min(chunk.len);
         let h0 = hi * hb;
         let rows = Block { i0, i1, h0, h1: h0 + hb, kvh: h0 / group };
-        attend_block(simd, qkv, chunk, shape, kv, rows, round, scratch, outp, ocols);
+        attend_block(simd, qkv, chunk, shape, kv, rows, round, scratch, outp, ocols, score_budget);
     });
 }
 
@@ -266,6 +290,7 @@ fn attend_block(
     scratch: &mut Scratch,
     outp: SharedOut,
     ocols: usize,
+    score_budget: usize,
 ) {
     let d = shape.head_dim;
     let qd = shape.n_heads * d;
@@ -296,103 +321,140 @@ fn attend_block(
     };
     let query = |i: usize, h: usize| &qkv.data[(chunk.row + i) * qkv.cols + h * d..][..d];
     let Scratch { scores, acc, tile, dots } = scratch;
-    scores.clear();
-    scores.resize(nrows * span, 0.0);
     // AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
     let wide = cfg!(target_arch = "x86_64") && simd >= Simd::Avx512 && d.is_multiple_of(32);
     if wide {
         tile.resize(KV_TILE * d, 0.0);
         dots.resize(KV_TILE, 0.0);
     }
-    // The positions of row `i` inside tile `t0..=t1`, if any.
+    // The positions of row `i` inside `t0..=t1`, if any.
     let range = |i: usize, t0: usize, t1: usize| {
         let (a, z) = (lo_of(i).max(t0), pos_of(i).min(t1));
         (a <= z).then_some((a, z))
     };
-    // Pass 1: scores, each key row read once for the whole block.
     let sees = |i: usize, pos: usize| (lo_of(i)..=pos_of(i)).contains(&pos);
-    if wide {
-        #[cfg(target_arch = "x86_64")]
-        for_tiles(lo, hi, d, tile, key, |t0, t1, tile| {
-            b.each_row(|i, h, r| {
-                if let Some((a, z)) = range(i, t0, t1) {
-                    let q = query(i, h);
-                    // SAFETY: Simd::Avx512 implies AVX-512F, AVX2 and FMA; d % 32 == 0; the tile
-                    // holds rows a - t0 ..= z - t0 of d values; dots holds KV_TILE >= z - a + 1.
-                    unsafe {
-                        crate::kernels::attn_avx512::dots(
-                            q.as_ptr(),
-                            tile[(a - t0) * d..].as_ptr(),
-                            z - a + 1,
-                            d,
-                            dots.as_mut_ptr(),
-                        )
-                    };
-                    for (j, &s) in dots[..z - a + 1].iter().enumerate() {
-                        scores[r * span + a - lo + j] = round.round(round.round(s) * shape.scale);
-                    }
-                }
-            });
-        });
-    } else {
-        for pos in lo..=hi {
-            let k = key(pos);
-            b.each_row(|i, h, r| {
-                if sees(i, pos) {
-                    scores[r * span + pos - lo] = round.round(round.round(dot(simd, query(i, h), k)) * shape.scale);
-                }
-            });
-        }
-    }
-    // Pass 2: softmax per row over its own keys, probabilities rounded to the activation type.
-    for i in b.i0..b.i1 {
-        let (a, z) = (lo_of(i) - lo, pos_of(i) - lo + 1);
-        for h in b.h0..b.h1 {
-            let r = (i - b.i0) * nh + (h - b.h0);
-            let s = &mut scores[r * span + a..r * span + z];
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for v in s.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
-            }
-            let inv = 1.0 / sum;
-            for v in s.iter_mut() {
-                *v = round.round(*v * inv);
-            }
-        }
-    }
-    // Pass 3: `sum_j p_j v_j`, each value row read once for the whole block.
     acc.clear();
     acc.resize(nrows * d, 0.0);
-    if wide {
-        #[cfg(target_arch = "x86_64")]
-        for_tiles(lo, hi, d, tile, value, |t0, t1, tile| {
-            b.each_row(|i, _, r| {
-                if let Some((a, z)) = range(i, t0, t1) {
-                    // SAFETY: Simd::Avx512 implies AVX-512F; d % 16 == 0; scores holds row r's
-                    // probabilities for positions a..=z, the tile rows a - t0 ..= z - t0, acc
-                    // row r d values.
-                    unsafe {
-                        crate::kernels::attn_avx512::weighted_sum(
-                            scores[r * span + a - lo..].as_ptr(),
-                            tile[(a - t0) * d..].as_ptr(),
-                            z - a + 1,
-                            d,
-                            acc[r * d..(r + 1) * d].as_mut_ptr(),
-                        )
-                    };
+    // Positions per segment of scores held at once (a multiple of the KV tile). A span that
+    // fits is one segment and one pass: scores, softmax per row over its own keys (probabilities
+    // rounded to the activation type), weighted values. A longer one (full layers deep into a
+    // long context) takes three passes over its segments, the scores recomputed in each (the
+    // same operations in the same order, so the same bits): row maxima, row sums, then the
+    // probabilities and the weighted values, in memory that does not grow with the context.
+    let seg = (score_budget / (4 * nrows)).max(KV_TILE) / KV_TILE * KV_TILE;
+    let long = span > seg;
+    let seg = seg.min(span);
+    scores.clear();
+    scores.resize(nrows * seg + 2 * nrows, 0.0);
+    let (sc, stats) = scores.split_at_mut(nrows * seg);
+    let (maxes, sums) = stats.split_at_mut(nrows);
+    maxes.fill(f32::NEG_INFINITY);
+    for pass in 0..if long { 3 } else { 1 } {
+        for s0 in (lo..=hi).step_by(seg) {
+            let s1 = (s0 + seg - 1).min(hi);
+            let len = s1 + 1 - s0;
+            // Scores of positions s0..=s1 (`[row][len]`), each key row read once for the block.
+            if wide {
+                #[cfg(target_arch = "x86_64")]
+                for_tiles(s0, s1, d, tile, key, |t0, t1, tile| {
+                    b.each_row(|i, h, r| {
+                        if let Some((a, z)) = range(i, t0, t1) {
+                            let q = query(i, h);
+                            // SAFETY: Simd::Avx512 implies AVX-512F, AVX2 and FMA; d % 32 == 0;
+                            // the tile holds rows a - t0 ..= z - t0 of d values; dots holds
+                            // KV_TILE >= z - a + 1.
+                            unsafe {
+                                crate::kernels::attn_avx512::dots(
+                                    q.as_ptr(),
+                                    tile[(a - t0) * d..].as_ptr(),
+                                    z - a + 1,
+                                    d,
+                                    dots.as_mut_ptr(),
+                                )
+                            };
+                            for (j, &v) in dots[..z - a + 1].iter().enumerate() {
+                                sc[r * len + a - s0 + j] = round.round(round.round(v) * shape.scale);
+                            }
+                        }
+                    });
+                });
+            } else {
+                for pos in s0..=s1 {
+                    let k = key(pos);
+                    b.each_row(|i, h, r| {
+                        if sees(i, pos) {
+                            sc[r * len + pos - s0] = round.round(round.round(dot(simd, query(i, h), k)) * shape.scale);
+                        }
+                    });
                 }
-            });
-        });
-    } else {
-        for pos in lo..=hi {
-            let v = value(pos);
-            b.each_row(|i, _, r| {
-                if sees(i, pos) {
-                    axpy(simd, scores[r * span + pos - lo], v, &mut acc[r * d..(r + 1) * d]);
+            }
+            for i in b.i0..b.i1 {
+                let Some((a, z)) = range(i, s0, s1) else { continue };
+                for h in b.h0..b.h1 {
+                    let r = (i - b.i0) * nh + (h - b.h0);
+                    let s = &mut sc[r * len + a - s0..r * len + z - s0 + 1];
+                    match (long, pass) {
+                        (false, _) => {
+                            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                            let mut sum = 0.0f32;
+                            for v in s.iter_mut() {
+                                *v = (*v - max).exp();
+                                sum += *v;
+                            }
+                            let inv = 1.0 / sum;
+                            for v in s.iter_mut() {
+                                *v = round.round(*v * inv);
+                            }
+                        }
+                        (true, 0) => maxes[r] = s.iter().copied().fold(maxes[r], f32::max),
+                        (true, 1) => {
+                            for &v in s.iter() {
+                                sums[r] += (v - maxes[r]).exp();
+                            }
+                        }
+                        (true, _) => {
+                            let inv = 1.0 / sums[r];
+                            for v in s.iter_mut() {
+                                *v = round.round((*v - maxes[r]).exp() * inv);
+                            }
+                        }
+                    }
                 }
-            });
+            }
+            if long && pass < 2 {
+                continue;
+            }
+            // `acc[r] += sum_j p_j v_j` over s0..=s1, each value row read once for the block.
+            if wide {
+                #[cfg(target_arch = "x86_64")]
+                for_tiles(s0, s1, d, tile, value, |t0, t1, tile| {
+                    b.each_row(|i, _, r| {
+                        if let Some((a, z)) = range(i, t0, t1) {
+                            // SAFETY: Simd::Avx512 implies AVX-512F; d % 16 == 0; sc holds row
+                            // r's probabilities for positions a..=z, the tile rows a - t0 ..=
+                            // z - t0, acc row r d values.
+                            unsafe {
+                                crate::kernels::attn_avx512::weighted_sum(
+                                    sc[r * len + a - s0..].as_ptr(),
+                                    tile[(a - t0) * d..].as_ptr(),
+                                    z - a + 1,
+                                    d,
+                                    acc[r * d..(r + 1) * d].as_mut_ptr(),
+                                )
+                            };
+                        }
+                    });
+                });
+            } else {
+                for pos in s0..=s1 {
+                    let v = value(pos);
+                    b.each_row(|i, _, r| {
+                        if sees(i, pos) {
+                            axpy(simd, sc[r * len + pos - s0], v, &mut acc[r * d..(r + 1) * d]);
+                        }
+                    });
+                }
+            }
         }
     }
     for i in b.i0..b.i1 {
@@ -453,6 +515,65 @@ mod tests {
                 let same = outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "d={d} window={window:?} {dtype:?} chunk at {start}+{len}: the paths differ");
                 assert!(outs[0].iter().all(|v| v.is_finite()) && outs[0].iter().any(|&v| v != 0.0));
+                kv.append(&qkv, chunk, shape).unwrap();
+                start += len;
+            }
+        }
+    }
+
+    /// Spans longer than the score budget run segment by segment with the scores recomputed:
+    /// the outputs are bit-identical to holding all scores, for every SIMD path, f32 and bf16
+    /// caches, sliding and full layers, chunks reading the cache and their own keys across
+    /// segment borders.
+    #[test]
+    fn segmented_scores_match_holding_all_scores_bit_for_bit() {
+        let mut seed = 11u32;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let mut simds = vec![Simd::Portable];
+        for s in [Simd::Avx2, Simd::Avx512] {
+            if Simd::detect() >= s {
+                simds.push(s);
+            }
+        }
+        for (d, window, dtype) in
+            [(64, None, DType::F32), (64, Some(150), DType::BF16), (256, None, DType::BF16), (96, None, DType::F32)]
+        {
+            let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: d, window, scale: 3.0 / (d as f32).sqrt() };
+            let kind = match window {
+                Some(w) => KvKind::Ring { window: w },
+                None => KvKind::Grow { max: 4096 },
+            };
+            let mut kv = CpuKv::new(KvSpec { kind, kv_heads: 2, head_dim: d, dtype });
+            let cols = (4 + 2 * 2) * d;
+            let mut start = 0;
+            for len in [300, 90, 1, 1] {
+                let mut qkv = CpuTensor { rows: len, cols, data: (0..len * cols).map(|_| rnd()).collect() };
+                if dtype == DType::BF16 {
+                    qkv.data.iter_mut().for_each(|v| *v = spark_core::dtype::round_bf16(*v));
+                }
+                let chunk = AttnChunk { row: 0, len, start_pos: start };
+                for &simd in &simds {
+                    let run = |budget: usize| {
+                        let mut out = CpuTensor { rows: len, cols: 4 * d, data: vec![0.0; len * 4 * d] };
+                        pool.install(|| attend_with_budget(simd, &qkv, chunk, shape, &kv, &mut out, dtype, budget));
+                        out.data
+                    };
+                    let whole = run(SCORE_BUDGET);
+                    // Segments of one KV tile (64 positions) and of two.
+                    for budget in [1, 4 * 16 * 2 * KV_TILE] {
+                        let seg = run(budget);
+                        let same = whole.iter().zip(&seg).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "d={d} window={window:?} {dtype:?} {simd:?} chunk at {start}+{len}, budget {budget}: differs"
+                        );
+                    }
+                    assert!(whole.iter().all(|v| v.is_finite()) && whole.iter().any(|&v| v != 0.0));
+                }
                 kv.append(&qkv, chunk, shape).unwrap();
                 start += len;
             }
