@@ -563,7 +563,8 @@ mod tests {
                         out.data
                     };
                     let whole = run(SCORE_BUDGET);
-                    // Segments of one KV tile (64 positions) and of two.
+                    // Budget 1: segments of one KV tile (64 positions); the other: one or a few
+                    // tiles, depending on the block's rows.
                     for budget in [1, 4 * 16 * 2 * KV_TILE] {
                         let seg = run(budget);
                         let same = whole.iter().zip(&seg).all(|(a, b)| a.to_bits() == b.to_bits());
