@@ -474,6 +474,66 @@ fn attend_block(
 mod tests {
     use super::*;
 
+    /// Calls `check(shape, dtype, kv, qkv, chunk)` for each chunk of `lens` (in turn, each
+    /// appended to the cache afterwards) of every `(head_dim, window, dtype)` case: 4 query heads
+    /// over 2 KV heads, random activations (rounded to bf16 for a bf16 cache).
+    fn each_chunk(
+        seed: u32,
+        cases: &[(usize, Option<usize>, DType)],
+        lens: &[usize],
+        scale: f32,
+        mut check: impl FnMut(AttnShape, DType, &CpuKv, &CpuTensor, AttnChunk),
+    ) {
+        let mut seed = seed;
+        let mut rnd = move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        for &(d, window, dtype) in cases {
+            let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: d, window, scale: scale / (d as f32).sqrt() };
+            let kind = match window {
+                Some(w) => KvKind::Ring { window: w },
+                None => KvKind::Grow { max: 4096 },
+            };
+            let mut kv = CpuKv::new(KvSpec { kind, kv_heads: 2, head_dim: d, dtype });
+            let cols = (4 + 2 * 2) * d;
+            let mut start = 0;
+            for &len in lens {
+                let mut qkv = CpuTensor { rows: len, cols, data: (0..len * cols).map(|_| rnd()).collect() };
+                if dtype == DType::BF16 {
+                    qkv.data.iter_mut().for_each(|v| *v = spark_core::dtype::round_bf16(*v));
+                }
+                let chunk = AttnChunk { row: 0, len, start_pos: start };
+                check(shape, dtype, &kv, &qkv, chunk);
+                kv.append(&qkv, chunk, shape).unwrap();
+                start += len;
+            }
+        }
+    }
+
+    /// The output of `attend_with_budget` on a 2-thread pool.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        pool: &rayon::ThreadPool,
+        simd: Simd,
+        shape: AttnShape,
+        dtype: DType,
+        kv: &CpuKv,
+        qkv: &CpuTensor,
+        chunk: AttnChunk,
+        budget: usize,
+    ) -> Vec<f32> {
+        let cols = shape.n_heads * shape.head_dim;
+        let mut out = CpuTensor { rows: chunk.len, cols, data: vec![0.0; chunk.len * cols] };
+        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget));
+        assert!(out.data.iter().all(|v| v.is_finite()) && out.data.iter().any(|&v| v != 0.0));
+        out.data
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
     /// The AVX-512 tile loops give the AVX2 one-row loops' bits exactly: f32 and bf16 caches,
     /// sliding and full layers, chunks that start inside the cache and span several tiles.
     #[test]
@@ -482,43 +542,19 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512");
             return;
         }
-        let mut seed = 7u32;
-        let mut rnd = move || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        for (d, window, dtype) in
-            [(64, None, DType::F32), (64, Some(37), DType::BF16), (256, None, DType::BF16), (96, Some(100), DType::F32)]
-        {
-            let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: d, window, scale: 1.0 / (d as f32).sqrt() };
-            let kind = match window {
-                Some(w) => KvKind::Ring { window: w },
-                None => KvKind::Grow { max: 4096 },
-            };
-            let mut kv = CpuKv::new(KvSpec { kind, kv_heads: 2, head_dim: d, dtype });
-            let cols = (4 + 2 * 2) * d;
-            // Three chunks: a long prefill, a second chunk over the cache, one decode token.
-            let mut start = 0;
-            for len in [150, 70, 1] {
-                let mut qkv = CpuTensor { rows: len, cols, data: (0..len * cols).map(|_| rnd()).collect() };
-                if dtype == DType::BF16 {
-                    qkv.data.iter_mut().for_each(|v| *v = spark_core::dtype::round_bf16(*v));
-                }
-                let chunk = AttnChunk { row: 0, len, start_pos: start };
-                let mut outs = Vec::new();
-                for simd in [Simd::Avx2, Simd::Avx512] {
-                    let mut out = CpuTensor { rows: len, cols: 4 * d, data: vec![0.0; len * 4 * d] };
-                    pool.install(|| attend(simd, &qkv, chunk, shape, &kv, &mut out, dtype));
-                    outs.push(out.data);
-                }
-                let same = outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "d={d} window={window:?} {dtype:?} chunk at {start}+{len}: the paths differ");
-                assert!(outs[0].iter().all(|v| v.is_finite()) && outs[0].iter().any(|&v| v != 0.0));
-                kv.append(&qkv, chunk, shape).unwrap();
-                start += len;
-            }
-        }
+        let cases = [
+            (64, None, DType::F32),
+            (64, Some(37), DType::BF16),
+            (256, None, DType::BF16),
+            (96, Some(100), DType::F32),
+        ];
+        // Three chunks: a long prefill, a second chunk over the cache, one decode token.
+        each_chunk(7, &cases, &[150, 70, 1], 1.0, |shape, dtype, kv, qkv, chunk| {
+            let rows = run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET);
+            let tiles = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET);
+            assert!(same_bits(&rows, &tiles), "{shape:?} {dtype:?} chunk {chunk:?}: the paths differ");
+        });
     }
 
     /// Spans longer than the score budget run segment by segment with the scores recomputed:
@@ -527,57 +563,24 @@ mod tests {
     /// segment borders.
     #[test]
     fn segmented_scores_match_holding_all_scores_bit_for_bit() {
-        let mut seed = 11u32;
-        let mut rnd = move || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        let mut simds = vec![Simd::Portable];
-        for s in [Simd::Avx2, Simd::Avx512] {
-            if Simd::detect() >= s {
-                simds.push(s);
-            }
-        }
-        for (d, window, dtype) in
-            [(64, None, DType::F32), (64, Some(150), DType::BF16), (256, None, DType::BF16), (96, None, DType::F32)]
-        {
-            let shape = AttnShape { n_heads: 4, n_kv_heads: 2, head_dim: d, window, scale: 3.0 / (d as f32).sqrt() };
-            let kind = match window {
-                Some(w) => KvKind::Ring { window: w },
-                None => KvKind::Grow { max: 4096 },
-            };
-            let mut kv = CpuKv::new(KvSpec { kind, kv_heads: 2, head_dim: d, dtype });
-            let cols = (4 + 2 * 2) * d;
-            let mut start = 0;
-            for len in [300, 90, 1, 1] {
-                let mut qkv = CpuTensor { rows: len, cols, data: (0..len * cols).map(|_| rnd()).collect() };
-                if dtype == DType::BF16 {
-                    qkv.data.iter_mut().for_each(|v| *v = spark_core::dtype::round_bf16(*v));
+        let simds: Vec<Simd> =
+            [Simd::Portable, Simd::Avx2, Simd::Avx512].into_iter().filter(|&s| Simd::detect() >= s).collect();
+        let cases =
+            [(64, None, DType::F32), (64, Some(150), DType::BF16), (256, None, DType::BF16), (96, None, DType::F32)];
+        each_chunk(11, &cases, &[300, 90, 1, 1], 3.0, |shape, dtype, kv, qkv, chunk| {
+            for &simd in &simds {
+                let whole = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET);
+                // Budget 1: segments of one KV tile (64 positions); the other: one or a few
+                // tiles, depending on the block's rows.
+                for budget in [1, 4 * 16 * 2 * KV_TILE] {
+                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget);
+                    assert!(
+                        same_bits(&whole, &seg),
+                        "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}, budget {budget}: differs"
+                    );
                 }
-                let chunk = AttnChunk { row: 0, len, start_pos: start };
-                for &simd in &simds {
-                    let run = |budget: usize| {
-                        let mut out = CpuTensor { rows: len, cols: 4 * d, data: vec![0.0; len * 4 * d] };
-                        pool.install(|| attend_with_budget(simd, &qkv, chunk, shape, &kv, &mut out, dtype, budget));
-                        out.data
-                    };
-                    let whole = run(SCORE_BUDGET);
-                    // Budget 1: segments of one KV tile (64 positions); the other: one or a few
-                    // tiles, depending on the block's rows.
-                    for budget in [1, 4 * 16 * 2 * KV_TILE] {
-                        let seg = run(budget);
-                        let same = whole.iter().zip(&seg).all(|(a, b)| a.to_bits() == b.to_bits());
-                        assert!(
-                            same,
-                            "d={d} window={window:?} {dtype:?} {simd:?} chunk at {start}+{len}, budget {budget}: differs"
-                        );
-                    }
-                    assert!(whole.iter().all(|v| v.is_finite()) && whole.iter().any(|&v| v != 0.0));
-                }
-                kv.append(&qkv, chunk, shape).unwrap();
-                start += len;
             }
-        }
+        });
     }
 }
