@@ -259,43 +259,38 @@ unsafe fn block(
     store_c(c);
 }
 
-/// 64 weight rows x one 16-token block over all `ksteps`: `c[a]` = rows `16a..16a+16` x the 16
-/// tokens. Weights in place (`a_stride` bytes between rows), prefetched a few steps ahead; C in
-/// tmm0-3, A rotating through tmm4-6, B in tmm7.
+/// 16 weight rows x one 16-token block over all `ksteps`: `c` = the rows x the 16 tokens.
+/// Weights in place (`a_stride` bytes between rows), prefetched a few steps ahead; C in tmm0, A in
+/// tmm4, B in tmm7.
+///
+/// Why only 16 rows per block: the weights are read in place, one 64-byte segment of each row
+/// per step, so every row of a block is a concurrent memory stream. 64 rows at a time (four A
+/// tiles against the B tile) streamed 12-15 GB/s in a batch-16 decode; 16 rows at a time
+/// 17-21 GB/s (+29 %, `spark-run bench --batch 16`, 3 alternations). AMX has cycles to spare
+/// here (two tile loads per product instead of 1.25); memory is what binds.
 ///
 /// # Safety
-/// AMX is [`available`] and this thread has loaded [`CONFIG`]; each `w[a]` starts 16 rows of
+/// AMX is [`available`] and this thread has loaded [`CONFIG`]; `w` starts 16 rows of
 /// `ksteps * 32` readable bf16, `a_stride` bytes apart; `b` points at `ksteps` packed tiles.
 #[inline(never)]
-unsafe fn block_4x1(w: [*const u16; 4], a_stride: usize, b: *const u16, ksteps: usize, c: &mut [[f32; 256]; 4]) {
-    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+unsafe fn block_rows16(w: *const u16, a_stride: usize, b: *const u16, ksteps: usize, c: &mut [f32; 256]) {
+    asm!("tilezero tmm0", options(nostack, nomem));
     for s in 0..ksteps {
         if s + PREFETCH_STEPS < ksteps {
-            for wa in w {
-                prefetch_rows(wa.add((s + PREFETCH_STEPS) * KS), a_stride);
-            }
+            prefetch_rows(w.add((s + PREFETCH_STEPS) * KS), a_stride);
         }
         asm!(
             "tileloadd tmm7, [{b} + {sb}*1]",
-            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm4, [{a} + {sa}*1]",
             "tdpbf16ps tmm0, tmm4, tmm7",
-            "tileloadd tmm5, [{a1} + {sa}*1]",
-            "tdpbf16ps tmm1, tmm5, tmm7",
-            "tileloadd tmm6, [{a2} + {sa}*1]",
-            "tdpbf16ps tmm2, tmm6, tmm7",
-            "tileloadd tmm4, [{a3} + {sa}*1]",
-            "tdpbf16ps tmm3, tmm4, tmm7",
-            a0 = in(reg) w[0].add(s * KS),
-            a1 = in(reg) w[1].add(s * KS),
-            a2 = in(reg) w[2].add(s * KS),
-            a3 = in(reg) w[3].add(s * KS),
+            a = in(reg) w.add(s * KS),
             sa = in(reg) a_stride,
             b = in(reg) b.add(s * TILE_U16),
             sb = in(reg) 64usize,
             options(nostack, readonly),
         );
     }
-    store_c(c);
+    asm!("tilestored [{c} + {s}*1], tmm0", c = in(reg) c.as_mut_ptr(), s = in(reg) 64usize, options(nostack));
 }
 
 /// Store tmm0-3 into `c[0..4]` (16 x 16 f32 each).
@@ -439,22 +434,20 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
         let (mut r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
         // SAFETY: AMX is available (caller); the config is a valid palette-1 configuration.
         unsafe { asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
-        // Up to 16 tokens (decode-sized batches): one B tile against four A tiles per step, so
-        // each step streams 64 weight rows x 32 columns with 5 tile loads.
+        // Up to 16 tokens (decode-sized batches): one B tile against one A tile per step, 16
+        // weight rows at a time (see `block_rows16` for why not more).
         if let (Weights::Bf16(wb), 1) = (w, tblocks) {
-            let mut c = [[0.0f32; 256]; 4];
-            while r0 + 4 * 16 <= r1 {
-                let ws = [0, 16, 32, 48].map(|o| wb[(r0 + o) * k..].as_ptr());
-                // SAFETY: the tile config is loaded on this thread; each ws[a] starts 16 full rows
-                // of k bf16 (r0 + 64 <= r1 <= m); xp holds ksteps packed tiles of the one block.
-                unsafe { block_4x1(ws, 2 * k, xp.as_ptr(), ksteps, &mut c) };
+            let mut c = [0.0f32; 256];
+            while r0 + 16 <= r1 {
+                // SAFETY: the tile config is loaded on this thread; wb[r0 * k..] starts 16 full
+                // rows of k bf16 (r0 + 16 <= r1 <= m); xp holds ksteps packed tiles of the one
+                // block.
+                unsafe { block_rows16(wb[r0 * k..].as_ptr(), 2 * k, xp.as_ptr(), ksteps, &mut c) };
                 for t in 0..n {
-                    for (a, tile) in c.iter().enumerate() {
-                        // SAFETY: t < n; rows r0 + 16a .. +16 lie in [r0, r1), this task's rows.
-                        unsafe { put_column(outp, tile, t, t * m + r0 + 16 * a, 16, round) };
-                    }
+                    // SAFETY: t < n; rows r0 .. r0 + 16 lie in [r0, r1), this task's rows.
+                    unsafe { put_column(outp, &c, t, t * m + r0, 16, round) };
                 }
-                r0 += 64;
+                r0 += 16;
             }
         }
         if r0 < r1 {

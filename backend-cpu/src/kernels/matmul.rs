@@ -11,8 +11,8 @@
 //!   `vdpbf16ps` dot products on the weights in place ([`super::avx512bf16`], see
 //!   [`bf16_dot_takes`]).
 //! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
-//!   least [`AMX_MIN_TOKENS`] tokens run on AMX tiles ([`super::amx`]): from DRAM its 64-row x
-//!   16-token kernel streams weights faster than the multi-token GEMV already at two tokens.
+//!   least [`AMX_MIN_TOKENS`] tokens (one) run on AMX tiles ([`super::amx`]): from DRAM its
+//!   16-row x 16-token kernel streams weights faster than the GEMVs at any batch size.
 //! - The portable path computes plain dot products.
 
 use rayon::prelude::*;
@@ -43,18 +43,22 @@ impl<'a> Mat<'a> {
 
 /// Whether a bf16 matmul of `n` tokens with bf16 activations runs `vdpbf16ps` dot products
 /// ([`super::avx512bf16`], on CPUs with AVX512_BF16): 2-15 tokens at the `Avx512` level, where it
-/// beat the AVX2 multi-token GEMV by 25-35 % at 4 and 8 tokens; 2-4 tokens with AMX, where it beat
-/// the 64x16 tile kernel by 15-35 % while AMX wins from 8 (2 threads, Sapphire Rapids, weights
-/// from DRAM). One token stays on the AVX2 GEMV (no gain measured).
+/// beat the AVX2 multi-token GEMV by 25-35 % at 4 and 8 tokens. With AMX, never: the 16-row tile
+/// kernel ([`super::amx`]) beat it by 6 % at 2 tokens and 24 % at 4 (whole-model decode, 2
+/// threads, Sapphire Rapids, 3 alternations). One token stays on the AVX2 GEMV without AMX (no
+/// gain measured).
 pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
     match simd {
         Simd::Avx512 => (2..SMALL_BATCH).contains(&n),
-        Simd::Amx => (2..=4).contains(&n),
         _ => false,
     }
 }
-/// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present.
-pub const AMX_MIN_TOKENS: usize = 2;
+/// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present: from
+/// one, since the 16-row tile kernel streams the weights faster than the AVX-512 GEMV even for a
+/// single token (batch-1 decode 6.76 -> 7.86 tok/s, medians of 3 alternations, 1.7B shape, 2
+/// threads). Products of bf16 values are exact in f32 on both paths; the sums differ in order,
+/// and the tiles read bf16 inputs below 2^-126 as zero.
+pub const AMX_MIN_TOKENS: usize = 1;
 /// From this many tokens, int8/int4 matmuls with bf16 activations run on AMX tiles (weights
 /// dequantized to bf16 as they are packed) instead of the W8A8 / W4A8 integer kernels.
 pub const AMX_QUANT_MIN_TOKENS: usize = 32;
