@@ -1,6 +1,6 @@
 //! AVX-512 BF16 small-batch matmul (x86-64): bf16 weights times bf16-valued activations with
-//! `vdpbf16ps`, for decode and batches below 16 tokens on CPUs with AVX512_BF16 (Sapphire Rapids
-//! and later, Zen 4 and later).
+//! `vdpbf16ps`, for batches of 2-15 tokens on CPUs with AVX512_BF16 but without AMX (Zen 4 and
+//! later; with AMX the tile kernel is faster at every batch size, see `matmul::bf16_dot_takes`).
 //!
 //! Each `vdpbf16ps` multiplies 32 bf16 weights of a row by 32 bf16 activations of a token and
 //! adds the 16 pair sums into 16 f32 lanes, so the weights need no conversion and no repack:

@@ -5,9 +5,9 @@
 //! `SPARK_CPU_SIMD=portable`, `=avx2` or `=avx512` caps the level (tests compare the paths).
 //! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 the
 //! bf16 matmuls of a few tokens with bf16 activations ([`avx512bf16`], `vdpbf16ps`); AMX the
-//! matmuls whose activations are bf16: bf16 weights from five tokens (two without AVX512_BF16),
-//! int8/int4 weights (dequantized into bf16 tiles) from 32 ([`amx`]); everything else runs the
-//! AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
+//! matmuls whose activations are bf16: bf16 weights from one token (16 weight rows at a time up
+//! to 16 tokens), int8/int4 weights (dequantized into bf16 tiles) from 32 ([`amx`]); everything
+//! else runs the AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AVX-512 VNNI (with
 //! AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=avx512` caps it below VNNI
