@@ -160,8 +160,12 @@ impl Backend for CpuBackend {
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
         check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
         if let Some(q) = w.quant() {
+            let qs = self.simd.qsimd();
             #[cfg(target_arch = "x86_64")]
-            if x.rows >= kernels::matmul::AMX_QUANT_MIN_TOKENS && kernels::amx::eligible(self.simd, round, x.cols) {
+            if x.rows >= kernels::matmul::AMX_QUANT_MIN_TOKENS
+                && kernels::amx::eligible(self.simd, round, x.cols)
+                && !(qs == kernels::QSimd::AmxInt8 && kernels::amx_int8::takes(q, x.rows))
+            {
                 let wq = kernels::amx::Weights::Quant(q);
                 // SAFETY: eligible() checked amx::available() and supports(k).
                 self.pool.install(|| unsafe {
@@ -169,7 +173,6 @@ impl Backend for CpuBackend {
                 });
                 return Ok(());
             }
-            let qs = self.simd.qsimd();
             self.pool.install(|| kernels::qmatmul::qmatmul(qs, &x.data, x.rows, x.cols, q, &mut out.data, round));
             return Ok(());
         }

@@ -11,6 +11,7 @@ use std::path::Path;
 use spark_core::plugin::{BackendFactory, DeviceInfo, OpenOptions};
 use spark_core::{Error, Executor, Model, ModelOptions, Result};
 
+use crate::kernels::QSimd;
 use crate::{CpuBackend, Simd};
 
 /// The CPU backend's factory.
@@ -28,6 +29,12 @@ pub fn score(simd: Simd) -> i32 {
     }
 }
 
+/// The float and the integer kernel levels (e.g. `avx512f+amx-bf16, int8 avx512-vnni+amx-int8`).
+fn capabilities() -> String {
+    let (simd, qs) = (Simd::detect(), QSimd::detect());
+    format!("{}, int8 {}", simd.name(), qs.name())
+}
+
 /// The processor as the one device.
 pub fn probe() -> Vec<DeviceInfo> {
     let simd = Simd::detect();
@@ -36,7 +43,7 @@ pub fn probe() -> Vec<DeviceInfo> {
     vec![DeviceInfo {
         index: 0,
         name: cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string()),
-        capabilities: simd.name().to_string(),
+        capabilities: capabilities(),
         memory_total,
         memory_free,
         score: score(simd),
@@ -83,7 +90,8 @@ mod tests {
         assert_eq!(d.len(), 1);
         assert!(d[0].usable);
         assert_eq!(d[0].score, score(Simd::detect()));
-        assert_eq!(d[0].capabilities, Simd::detect().name());
+        assert!(d[0].capabilities.starts_with(Simd::detect().name()), "{}", d[0].capabilities);
+        assert!(d[0].capabilities.ends_with(QSimd::detect().name()), "{}", d[0].capabilities);
     }
 
     #[test]

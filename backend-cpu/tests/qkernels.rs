@@ -80,7 +80,7 @@ fn combos(cols: usize) -> Vec<(QFormat, usize, bool, &'static str)> {
 /// The integer levels this CPU has (the others are skipped, said once per test binary).
 fn levels() -> Vec<QSimd> {
     static SAID: std::sync::Once = std::sync::Once::new();
-    let all = [QSimd::Portable, QSimd::Avx2, QSimd::Avx512Vnni];
+    let all = [QSimd::Portable, QSimd::Avx2, QSimd::Avx512Vnni, QSimd::AmxInt8];
     SAID.call_once(|| {
         for q in all.iter().filter(|&&q| q > QSimd::detect()) {
             eprintln!("skipped: this CPU has no {q:?} (or SPARK_CPU_SIMD caps it)");
@@ -101,7 +101,7 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
             let deq = qt.dequantize();
             let w = QMat::from_qtensor(&qt);
             modes.insert(format!("{:?}", w.mode));
-            for &n in &[1usize, 2, 3, 5, 17, 33] {
+            for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
                 let x = random_x(n, cols, &mut seed);
                 let act = QAct::quantize(&x, n, cols, &w);
                 // f64 reference: dequantized weights times the dequantized int8 activations.
@@ -298,7 +298,7 @@ fn bench_kernels() {
     for &(m, k) in &[(512usize, 2048usize), (6656, 2048), (2048, 6656)] {
         let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
         let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        for &n in &[1usize, 4, 64] {
+        for &n in &[1usize, 4, 32, 64, 128, 256] {
             if std::env::var("QBENCH_N").is_ok_and(|v| v != n.to_string()) {
                 continue;
             }
@@ -334,6 +334,21 @@ fn bench_kernels() {
                     let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
                     eprintln!(
                         "  {format} g{group} {qs:?}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        s * 1e3,
+                        qt.nbytes() as f64 / s * 1e-9,
+                        (m * k * n) as f64 / s * 1e-9
+                    );
+                }
+                #[cfg(target_arch = "x86_64")]
+                if Simd::detect() == Simd::Amx {
+                    use spark_backend_cpu::kernels::amx;
+                    let xb: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                    // SAFETY: Simd::Amx implies amx::available(); k is a multiple of 32.
+                    let s = time(&mut || unsafe {
+                        amx::matmul(&xb, n, k, amx::Weights::Quant(&w), m, &mut out, DType::BF16)
+                    });
+                    eprintln!(
+                        "  {format} g{group} AMX bf16 dequantized: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
                         s * 1e3,
                         qt.nbytes() as f64 / s * 1e-9,
                         (m * k * n) as f64 / s * 1e-9
@@ -396,7 +411,7 @@ fn amx_dequantized_tiles_match_reference() {
         (QFormat::I4, 128, true),
         (QFormat::I4, 16, true),
     ] {
-        for &(n, k, m) in &[(32usize, 128usize, 33usize), (40, 640, 70), (97, 1152, 17)] {
+        for &(n, k, m) in &[(66usize, 128usize, 33usize), (80, 640, 70), (97, 1152, 17)] {
             let g = if group == 0 { k } else { group };
             let q = random_q(m, k, format, g, bias, &mut seed);
             let deq = q.dequantize();

@@ -119,6 +119,24 @@ const CONFIG: TileConfig = TileConfig {
     rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
 };
 
+/// Load the eight-tile palette-1 configuration (every tile 16 rows x 64 bytes) on this thread.
+///
+/// # Safety
+/// [`available`] returned true; the thread releases the state (`tilerelease`) when done.
+#[inline(always)]
+pub(super) unsafe fn load_config() {
+    asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+}
+
+/// Release this thread's tile state.
+///
+/// # Safety
+/// [`available`] returned true.
+#[inline(always)]
+pub(super) unsafe fn release() {
+    asm!("tilerelease", options(nostack, nomem));
+}
+
 /// f32 to bf16 bits, round to nearest even (inputs here are already bf16 values, so exact).
 #[inline]
 fn bf16_bits(v: f32) -> u16 {
@@ -432,8 +450,8 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
     };
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
         let (mut r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
-        // SAFETY: AMX is available (caller); the config is a valid palette-1 configuration.
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly)) };
+        // SAFETY: AMX is available (caller); the thread releases the state below.
+        unsafe { load_config() };
         // Up to 16 tokens (decode-sized batches): one B tile against one A tile per step, 16
         // weight rows at a time (see `block_rows16` for why not more).
         if let (Weights::Bf16(wb), 1) = (w, tblocks) {
@@ -454,7 +472,7 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
             general(r0, r1);
         }
         // SAFETY: releases this thread's tile state (AMX available).
-        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        unsafe { release() };
     });
 }
 

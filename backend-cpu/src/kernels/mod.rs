@@ -6,14 +6,18 @@
 //! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 the
 //! bf16 matmuls of a few tokens with bf16 activations ([`avx512bf16`], `vdpbf16ps`); AMX the
 //! matmuls whose activations are bf16: bf16 weights from one token (16 weight rows at a time up
-//! to 16 tokens), int8/int4 weights (dequantized into bf16 tiles) from 32 ([`amx`]); everything
-//! else runs the AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
+//! to 16 tokens), int4 weights and int8 weights of more than 64 tokens (dequantized into bf16
+//! tiles) from 32 ([`amx`]); everything else runs the AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
 //!
-//! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AVX-512 VNNI (with
-//! AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=avx512` caps it below VNNI
-//! (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and `=portable` as above.
+//! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AMX INT8 tiles for
+//! symmetric int8 weights at 1 to 64 tokens ([`amx_int8`]) with VNNI for the rest, where the
+//! float level is AMX and the processor has AMX-INT8; else AVX-512 VNNI (with AVX-512BW) when
+//! present, else AVX2, else portable. `SPARK_CPU_SIMD=amx-bf16` caps it at VNNI (keeping AMX
+//! BF16), `=avx512` below VNNI (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and
+//! `=portable` as above.
 
 pub mod amx;
+pub mod amx_int8;
 pub mod attn_avx512;
 pub mod avx2;
 pub mod avx512;
@@ -98,10 +102,14 @@ pub enum QSimd {
     Avx2,
     /// AVX-512 `vpdpbusd` on 64 bytes at a time (needs AVX-512F, BW and VNNI).
     Avx512Vnni,
+    /// VNNI plus AMX INT8 tiles (`tdpbssd`) for the int8 weights of decode-sized batches
+    /// ([`amx_int8`]); everything else at this level runs the VNNI kernels.
+    AmxInt8,
 }
 
 impl QSimd {
-    /// What this processor supports (cached), honouring `SPARK_CPU_SIMD=portable|avx2|avx512`.
+    /// What this processor supports (cached), honouring
+    /// `SPARK_CPU_SIMD=portable|avx2|avx512|amx-bf16`.
     pub fn detect() -> QSimd {
         static S: OnceLock<QSimd> = OnceLock::new();
         *S.get_or_init(|| match Simd::detect() {
@@ -113,6 +121,9 @@ impl QSimd {
                     let cap = std::env::var("SPARK_CPU_SIMD").unwrap_or_default();
                     if cap != "avx512" && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
                     {
+                        if cap != "amx-bf16" && Simd::detect() == Simd::Amx && amx_int8::available() {
+                            return QSimd::AmxInt8;
+                        }
                         return QSimd::Avx512Vnni;
                     }
                 }
@@ -126,6 +137,7 @@ impl QSimd {
             QSimd::Portable => "portable",
             QSimd::Avx2 => "avx2",
             QSimd::Avx512Vnni => "avx512-vnni",
+            QSimd::AmxInt8 => "avx512-vnni+amx-int8",
         }
     }
 }

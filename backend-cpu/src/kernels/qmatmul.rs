@@ -517,6 +517,13 @@ pub fn qmatmul_quantized(qs: QSimd, act: &QAct, w: &QMat, out: &mut [f32], round
     assert_eq!(out.len(), n * m, "qmatmul: out has the wrong size");
     assert_eq!(act.kp, w.kp, "qmatmul: activations quantized for another weight");
     let qs = qs.min(QSimd::detect());
+    #[cfg(target_arch = "x86_64")]
+    if qs == QSimd::AmxInt8 && super::amx_int8::takes(w, n) {
+        // SAFETY: QSimd::AmxInt8 (clamped to the detected level) implies amx_int8::available();
+        // takes() checked the weight and token count.
+        unsafe { super::amx_int8::matmul(act, w, out, round) };
+        return;
+    }
     let threads = rayon::current_num_threads().max(1);
     let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
     let outp = SharedOut(out.as_mut_ptr());
@@ -563,7 +570,16 @@ fn dot8(a: &[f32], b: &[f32]) -> f32 {
 /// Rows `r0..r1` x tokens `t0..t0+nt` (the integer part and the bias term) into `tmp`
 /// (`[nt][r1 - r0]`).
 #[allow(clippy::too_many_arguments)]
-fn rows_tokens(qs: QSimd, act: &QAct, w: &QMat, r0: usize, r1: usize, t0: usize, nt: usize, tmp: &mut [f32]) {
+pub(super) fn rows_tokens(
+    qs: QSimd,
+    act: &QAct,
+    w: &QMat,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+) {
     let rb = w.row_bytes();
     let nb = w.kp / QBLOCK;
     let args = |r: usize, t: usize| TileArgs {
@@ -589,8 +605,8 @@ fn rows_tokens(qs: QSimd, act: &QAct, w: &QMat, r0: usize, r1: usize, t0: usize,
             unsafe { super::qavx2::rows_tokens(w.format, w.mode, &args, r0, r1, t0, nt, tmp, ld) }
         }
         #[cfg(target_arch = "x86_64")]
-        QSimd::Avx512Vnni => {
-            // SAFETY: QSimd::Avx512Vnni (clamped to the detected level) implies AVX-512F/BW/VNNI
+        QSimd::Avx512Vnni | QSimd::AmxInt8 => {
+            // SAFETY: QSimd::Avx512Vnni or above (clamped to the detected level) implies AVX-512F/BW/VNNI
             // and AVX2/FMA; tiles as above.
             unsafe { super::qavx512::rows_tokens(w.format, w.mode, &args, r0, r1, t0, nt, tmp, ld) }
         }

@@ -1,0 +1,373 @@
+//! AMX INT8 tiles (x86-64 Sapphire Rapids and later) for int8 weights: `out = x W^T` with `W` a
+//! [`QMat`] of format int8 with one scale per row or per 32-block, and `x` quantized per 32-block
+//! ([`QAct`]), for decode-sized batches (up to [`MAX_TOKENS`] tokens).
+//!
+//! Precision: the same as the VNNI kernel ([`super::qmatmul`]): each 32-block's integer dot is
+//! exact (`tdpbssd`, signed x signed into i32), scaled in f32 by `activation scale * weight
+//! scale`, and the blocks are summed in f32 (in another order).
+//!
+//! Layout. The weights are the tiles' A operand, read in place: per k step, 16 rows x 64 int8, the
+//! rows `row_bytes` apart (each row a memory stream, prefetched a few steps ahead, as in
+//! [`super::amx`]'s 16-row kernel). The activations are the B operand. A C tile sums over its
+//! whole k, but every 32-block has its own activation scale, so each block gets its own C column:
+//! in the B tile of step `s`, token `t`'s block `2s` fills column `2 (t G + s % G)` (B rows 0-7, the
+//! block's 32 bytes as 8 rows of 4) and block `2s + 1` the next column (B rows 8-15); every other
+//! byte is zero. After `G` steps (a "period") each of the 16 columns holds one block's dot for each
+//! of the 16 weight rows: C is stored, converted to f32 and accumulated with the 16 blocks' scales,
+//! and zeroed. With `P` tokens per B tile (1, 2, 4 or 8), `G = 8 / P`; more than 8 tokens take up
+//! to four B tiles (groups of 8) against the same A tile, and more than 32 run in blocks of 32
+//! over row chunks small enough to stay in L2.
+//!
+//! At one token the B tile is mostly zero (2 of 16 columns per step); it comes from L1/L2 and the
+//! kernel is bound by the weights' stream from memory, which is what this layout is for: the VNNI
+//! GEMV streamed int8 weights at 17-20 GB/s through a whole model where the 16-row AMX BF16 kernel
+//! reached 29 GB/s on the same machine.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+use spark_core::quant::QFormat;
+use spark_core::DType;
+
+use super::qmatmul::{QAct, QMat, ScaleMode, QBLOCK, QCHUNK};
+use super::{QSimd, SharedOut};
+
+/// The most tokens [`matmul`] takes. Beyond it the AMX BF16 kernel on dequantized tiles is
+/// faster: per 16 x 16 C tile this kernel stores and rescales C every k step once there are 8
+/// tokens per B tile, and half of each B tile is zeros. Single-thread kernel bench
+/// (`bench_kernels` in `tests/qkernels.rs`), GMAC/s for the 1.7B shapes, this kernel vs AMX BF16
+/// dequantized: 32 tokens 99-151 vs 50-84; 64 tokens 73-168 vs 84-121; 128 tokens 105-162 vs
+/// 94-168; 256 tokens 70-145 vs 94-201.
+pub const MAX_TOKENS: usize = 64;
+/// Tokens per pass over a row block (four B tiles of 8 tokens, C in tmm0-3).
+const BLOCK_TOKENS: usize = 32;
+/// Bytes of one B tile (16 rows x 64 bytes).
+const TILE: usize = 1024;
+/// B tiles (token groups) per pass over a row block: C in tmm0-3.
+const GROUPS: usize = 4;
+/// With more than [`BLOCK_TOKENS`] tokens, weight bytes per row chunk (re-read from L2 by every
+/// block of tokens).
+const CHUNK_BYTES: usize = 512 * 1024;
+/// How many k steps ahead the weight rows are prefetched.
+const PREFETCH_STEPS: usize = 4;
+
+/// Whether AMX tiles are granted ([`super::amx::available`]) and the processor has AMX-INT8 and
+/// AVX-512 BW/VNNI (the row tails run the VNNI kernel).
+pub fn available() -> bool {
+    static A: OnceLock<bool> = OnceLock::new();
+    *A.get_or_init(|| {
+        // cpuid leaf 7 exists wherever amx::available() is true (it needs AVX-512F).
+        super::amx::available()
+            && __cpuid_count(7, 0).edx & (1 << 25) != 0
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    })
+}
+
+/// Whether [`matmul`] takes this weight and token count: int8 with per-row or per-32-block
+/// ([`ScaleMode::Pair`]) scales and no biases (symmetric: our int8 and Q8_0), at least one full
+/// 16-row block, 1 to [`MAX_TOKENS`] tokens.
+pub fn takes(w: &QMat, n: usize) -> bool {
+    w.format == QFormat::I8
+        && matches!(w.mode, ScaleMode::Row | ScaleMode::Pair)
+        && w.bias().is_none()
+        && w.rows >= 16
+        && (1..=MAX_TOKENS).contains(&n)
+}
+
+/// How tokens and k steps map onto B tiles and C columns.
+#[derive(Clone, Copy)]
+struct Plan {
+    n: usize,
+    /// Token slots per B tile (1, 2, 4 or 8).
+    p: usize,
+    /// k steps per period (`8 / p`).
+    g: usize,
+    /// B tiles per step (`n / p` rounded up).
+    groups: usize,
+    ksteps: usize,
+    periods: usize,
+}
+
+impl Plan {
+    fn new(n: usize, kp: usize) -> Plan {
+        let p = n.clamp(1, 8).next_power_of_two();
+        let g = 8 / p;
+        let ksteps = kp / QCHUNK;
+        Plan { n, p, g, groups: n.div_ceil(p), ksteps, periods: ksteps.div_ceil(g) }
+    }
+
+    /// The C column of local token `tl`'s block `2s + h`.
+    fn col(&self, tl: usize, s: usize, h: usize) -> usize {
+        (tl * self.g + s % self.g) * 2 + h
+    }
+}
+
+/// The B tiles (`[group][step]`, 1 KiB each) and each group's per-period column scales
+/// (`[group][period][16]`, 0 where a column is unused), reused across calls on a thread.
+#[derive(Default)]
+struct Packed {
+    b: Vec<i8>,
+    dv: Vec<f32>,
+}
+
+impl Packed {
+    fn fill(&mut self, act: &QAct, plan: &Plan) {
+        self.b.clear();
+        self.b.resize(plan.groups * plan.ksteps * TILE, 0);
+        self.dv.clear();
+        self.dv.resize(plan.groups * plan.periods * 16, 0.0);
+        let group = |(j, (b, dv)): (usize, (&mut [i8], &mut [f32]))| {
+            for tl in 0..plan.p.min(plan.n - j * plan.p) {
+                let t = j * plan.p + tl;
+                let (q, d) = (act.q_row(t), act.d_row(t));
+                for (s, tile) in b.chunks_exact_mut(TILE).enumerate() {
+                    for r in 0..16 {
+                        let c = plan.col(tl, s, r / 8);
+                        tile[r * 64 + c * 4..][..4].copy_from_slice(&q[QCHUNK * s + 4 * r..][..4]);
+                    }
+                    for h in 0..2 {
+                        dv[(s / plan.g) * 16 + plan.col(tl, s, h)] = d[2 * s + h];
+                    }
+                }
+            }
+        };
+        let tiles = self.b.par_chunks_mut(plan.ksteps * TILE);
+        let scales = self.dv.par_chunks_mut(plan.periods * 16);
+        if plan.groups > 1 {
+            tiles.zip(scales).enumerate().for_each(group);
+        } else {
+            group((0, (&mut self.b[..], &mut self.dv[..])));
+        }
+    }
+}
+
+thread_local! {
+    static PACKED: RefCell<Packed> = RefCell::new(Packed::default());
+}
+
+/// `out[t*m + r] = round(sum_c x[t, c] * W[r, c])` on AMX INT8 tiles, for activations already
+/// quantized ([`QAct`]); rows are split across the rayon pool, and rows past the last full
+/// 16-row block of a chunk run the VNNI kernel.
+///
+/// # Safety
+/// [`available`] returned true and [`takes`]`(w, act.n)`.
+pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
+    let (n, m) = (act.n, w.rows);
+    assert_eq!(out.len(), n * m, "amx int8 matmul: out has the wrong size");
+    assert_eq!(act.kp, w.kp, "amx int8 matmul: activations quantized for another weight");
+    assert!(takes(w, n), "amx int8 matmul: unsupported weight or token count");
+    let plan = Plan::new(n, w.kp);
+    let outp = SharedOut(out.as_mut_ptr());
+    let run = |packed: &Packed| {
+        let threads = rayon::current_num_threads().max(1);
+        let mut chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+        if n > BLOCK_TOKENS {
+            // Every token block re-reads the chunk's weights: keep them within L2.
+            chunk = chunk.min((CHUNK_BYTES / w.row_bytes()) / 16 * 16).max(16);
+        }
+        (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            let (r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
+            let full = r0 + (r1 - r0) / 16 * 16;
+            let mut res = [[0.0f32; 16]; BLOCK_TOKENS];
+            // SAFETY: AMX is available (caller); released below.
+            unsafe { super::amx::load_config() };
+            for j0 in (0..plan.groups).step_by(GROUPS) {
+                let t0 = j0 * plan.p;
+                let nt = (n - t0).min(GROUPS * plan.p);
+                for rb in (r0..full).step_by(16) {
+                    let next = if rb + 16 < full {
+                        w.packed()[(rb + 16) * w.row_bytes()..].as_ptr()
+                    } else {
+                        std::ptr::null()
+                    };
+                    // SAFETY: the config is loaded; rows rb..rb + 16 exist (rb + 16 <= full <= m);
+                    // `packed` was filled for this plan; `next` starts 16 existing rows or is null.
+                    unsafe { block16(w, rb, next, &plan, j0, packed, &mut res) };
+                    for (tl, row) in res.iter().enumerate().take(nt) {
+                        for (i, &v) in row.iter().enumerate() {
+                            // SAFETY: t0 + tl < n, rb + i < full <= r1: this task's rows.
+                            unsafe { outp.put((t0 + tl) * m + rb + i, round.round(v)) };
+                        }
+                    }
+                }
+            }
+            // SAFETY: releases this thread's tile state.
+            unsafe { super::amx::release() };
+            if full < r1 {
+                let ld = r1 - full;
+                let mut tmp = vec![0.0f32; n * ld];
+                super::qmatmul::rows_tokens(QSimd::Avx512Vnni, act, w, full, r1, 0, n, &mut tmp);
+                for t in 0..n {
+                    for r in full..r1 {
+                        // SAFETY: t < n and r in this task's rows.
+                        unsafe { outp.put(t * m + r, round.round(tmp[t * ld + r - full])) };
+                    }
+                }
+            }
+        });
+    };
+    PACKED.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut packed) => {
+            packed.fill(act, &plan);
+            run(&packed);
+        }
+        // Re-entered on this thread (a nested call): a buffer of its own.
+        Err(_) => {
+            let mut packed = Packed::default();
+            packed.fill(act, &plan);
+            run(&packed);
+        }
+    });
+}
+
+/// `C[j] += A x B[j]` for group `j` (tmm0-3; A in tmm4; B in tmm5-7, group 3 reusing tmm5).
+///
+/// # Safety
+/// The tile config is loaded; tmm4 holds the step's A tile; `b` points at a readable 1 KiB tile.
+#[inline(always)]
+unsafe fn product(j: usize, b: *const i8) {
+    macro_rules! go {
+        ($bt:literal, $ct:literal) => {
+            asm!(
+                concat!("tileloadd ", $bt, ", [{b} + {s}*1]"),
+                concat!("tdpbssd ", $ct, ", tmm4, ", $bt),
+                b = in(reg) b,
+                s = in(reg) 64usize,
+                options(nostack, readonly),
+            )
+        };
+    }
+    match j {
+        0 => go!("tmm5", "tmm0"),
+        1 => go!("tmm6", "tmm1"),
+        2 => go!("tmm7", "tmm2"),
+        _ => go!("tmm5", "tmm3"),
+    }
+}
+
+/// Store C tile `j` (16 rows x 16 i32) into `c` and zero it.
+///
+/// # Safety
+/// The tile config is loaded.
+#[inline(always)]
+unsafe fn drain(j: usize, c: &mut [[i32; 16]; 16]) {
+    macro_rules! go {
+        ($ct:literal) => {
+            asm!(
+                concat!("tilestored [{c} + {s}*1], ", $ct),
+                concat!("tilezero ", $ct),
+                c = in(reg) c.as_mut_ptr(),
+                s = in(reg) 64usize,
+                options(nostack),
+            )
+        };
+    }
+    match j {
+        0 => go!("tmm0"),
+        1 => go!("tmm1"),
+        2 => go!("tmm2"),
+        _ => go!("tmm3"),
+    }
+}
+
+/// Prefetch the 64-byte segment at `p` of 16 rows `stride` bytes apart.
+#[inline(always)]
+fn prefetch_rows(p: *const u8, stride: usize) {
+    for r in 0..16 {
+        // SAFETY: a prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(r * stride).cast()) };
+    }
+}
+
+/// Rows `rb..rb + 16` x the tokens of groups `j0..j0 + 4` of `plan`: `res[tl][i]` = row
+/// `rb + i`, token `j0 * plan.p + tl`.
+///
+/// # Safety
+/// The tile config is loaded on this thread; rows `rb..rb + 16` exist in `w`; `packed` was
+/// filled for `plan` (and `w`'s padded columns); `next` is null or starts 16 rows of `w`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+unsafe fn block16(
+    w: &QMat,
+    rb: usize,
+    next: *const u8,
+    plan: &Plan,
+    j0: usize,
+    packed: &Packed,
+    res: &mut [[f32; 16]; BLOCK_TOKENS],
+) {
+    let stride = w.row_bytes();
+    let a = w.packed()[rb * stride..].as_ptr();
+    let (ksteps, g) = (plan.ksteps, plan.g);
+    let b = packed.b.as_ptr();
+    let groups = GROUPS.min(plan.groups - j0);
+    let mut acc = [[_mm512_setzero_ps(); 16]; GROUPS];
+    let mut cbuf = [[0i32; 16]; 16];
+    let pair = w.mode == ScaleMode::Pair;
+    let scales = w.scales();
+    // Column c of a period reads weight block `2 s0 + c % 2g` (Pair scales).
+    let mut idx = [0i32; 16];
+    for (c, v) in idx.iter_mut().enumerate() {
+        *v = (c % (2 * g)) as i32;
+    }
+    let idx = _mm512_loadu_si512(idx.as_ptr().cast());
+    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+    for p in 0..plan.periods {
+        let s0 = p * g;
+        for s in s0..(s0 + g).min(ksteps) {
+            if s + PREFETCH_STEPS < ksteps {
+                prefetch_rows(a.wrapping_add((s + PREFETCH_STEPS) * QCHUNK), stride);
+            } else if !next.is_null() {
+                // The next block's first segments, so its rows are under way when it starts.
+                prefetch_rows(next.wrapping_add((s + PREFETCH_STEPS - ksteps) * QCHUNK), stride);
+            }
+            asm!(
+                "tileloadd tmm4, [{a} + {sa}*1]",
+                a = in(reg) a.add(s * QCHUNK),
+                sa = in(reg) stride,
+                options(nostack, readonly),
+            );
+            for j in 0..groups {
+                product(j, b.add(((j0 + j) * ksteps + s) * TILE));
+            }
+        }
+        // Per-row weight scales of this period's 16 columns (Pair), zero past the row's blocks.
+        let mut sv = [_mm512_setzero_ps(); 16];
+        if pair {
+            let nb = w.ng;
+            let valid = (2 * g).min(nb - 2 * s0);
+            let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+            for (i, v) in sv.iter_mut().enumerate() {
+                let row = scales[(rb + i) * nb + 2 * s0..].as_ptr();
+                let loaded = _mm512_maskz_loadu_ps(mask, row);
+                *v = if g == 8 { loaded } else { _mm512_permutexvar_ps(idx, loaded) };
+            }
+        }
+        for (j, accj) in acc.iter_mut().enumerate().take(groups) {
+            drain(j, &mut cbuf);
+            let d = _mm512_loadu_ps(packed.dv[((j0 + j) * plan.periods + p) * 16..].as_ptr());
+            for (i, acci) in accj.iter_mut().enumerate() {
+                let c = _mm512_cvtepi32_ps(_mm512_loadu_si512(cbuf[i].as_ptr().cast()));
+                let scale = if pair { _mm512_mul_ps(d, sv[i]) } else { d };
+                *acci = _mm512_fmadd_ps(c, scale, *acci);
+            }
+        }
+    }
+    // Token t's columns are 2g consecutive ones of its group's tile.
+    let lanes: __mmask16 = ((1u32 << (2 * g)) - 1) as __mmask16;
+    for (t, out) in res.iter_mut().enumerate().take((plan.n - j0 * plan.p).min(GROUPS * plan.p)) {
+        let (j, tl) = (t / plan.p, t % plan.p);
+        let mask = lanes << (tl * 2 * g);
+        for (i, o) in out.iter_mut().enumerate() {
+            let v = _mm512_mask_reduce_add_ps(mask, acc[j][i]);
+            *o = if pair { v } else { v * scales[rb + i] };
+        }
+    }
+}
+
+const _: () = assert!(QCHUNK == 2 * QBLOCK, "a tile step is two activation blocks");
