@@ -1,10 +1,11 @@
-//! AMX INT8 tiles (x86-64 Sapphire Rapids and later) for int8 weights: `out = x W^T` with `W` a
-//! [`QMat`] of format int8 with one scale per row or per 32-block, and `x` quantized per 32-block
-//! ([`QAct`]), for decode-sized batches (up to [`MAX_TOKENS`] tokens).
+//! AMX INT8 tiles (x86-64 Sapphire Rapids and later) for quantized weights: `out = x W^T` with
+//! `W` a [`QMat`] of format int8 (symmetric) or int4 with one scale per row or per 32-block, and
+//! `x` quantized per 32-block ([`QAct`]), for decode-sized batches (up to [`MAX_TOKENS`] tokens).
 //!
 //! Precision: the same as the VNNI kernel ([`super::qmatmul`]): each 32-block's integer dot is
-//! exact (`tdpbssd`, signed x signed into i32), scaled in f32 by `activation scale * weight
-//! scale`, and the blocks are summed in f32 (in another order).
+//! exact (`tdpbssd` on signed int8 weights, `tdpbusd` on int4 nibbles with the zero point
+//! removed in integers), scaled in f32 by `activation scale * weight scale`, and the blocks are
+//! summed in f32 (in another order); the int4 bias term as there.
 //!
 //! Layout. The weights are the tiles' A operand, read in place: per k step, 16 rows x 64 int8, the
 //! rows `row_bytes` apart (each row a memory stream, prefetched a few steps ahead, as in
@@ -35,7 +36,7 @@ use spark_core::quant::QFormat;
 use spark_core::DType;
 
 use super::qmatmul::{QAct, QMat, ScaleMode, QBLOCK, QCHUNK};
-use super::{QSimd, SharedOut};
+use super::{Prefetcher, QSimd, SharedOut};
 
 /// The most tokens [`matmul`] takes. Beyond it the AMX BF16 kernel on dequantized tiles is
 /// faster: per 16 x 16 C tile this kernel stores and rescales C every k step once there are 8
@@ -44,6 +45,12 @@ use super::{QSimd, SharedOut};
 /// dequantized: 32 tokens 99-151 vs 50-84; 64 tokens 73-168 vs 84-121; 128 tokens 105-162 vs
 /// 94-168; 256 tokens 70-145 vs 94-201.
 pub const MAX_TOKENS: usize = 64;
+/// int4 at one or two tokens stays on the VNNI GEMV, which unpacks the nibbles in registers: here
+/// they go through an L1 tile buffer, which costs about as much per step whatever the token
+/// count. Whole-model int4 decode (`spark-run bench -m r17-int4 -p 0 -n 32 --batch B -t 2`,
+/// medians of 3 alternations, tok/s, this kernel vs VNNI): batch 1 14.5 vs 18.3, batch 2 24.0 vs
+/// 25.0 (a wash), batch 4 41.2 vs 31.6.
+pub const INT4_MIN_TOKENS: usize = 3;
 /// Tokens per pass over a row block (four B tiles of 8 tokens, C in tmm0-3).
 const BLOCK_TOKENS: usize = 32;
 /// Bytes of one B tile (16 rows x 64 bytes).
@@ -69,15 +76,15 @@ pub fn available() -> bool {
     })
 }
 
-/// Whether [`matmul`] takes this weight and token count: int8 with per-row or per-32-block
-/// ([`ScaleMode::Pair`]) scales and no biases (symmetric: our int8 and Q8_0), at least one full
-/// 16-row block, 1 to [`MAX_TOKENS`] tokens.
+/// Whether [`matmul`] takes this weight and token count: int8 without biases (symmetric: ours
+/// and Q8_0) or int4 (biases or not), with per-row or per-32-block ([`ScaleMode::Pair`]) scales,
+/// at least one full 16-row block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
 pub fn takes(w: &QMat, n: usize) -> bool {
-    w.format == QFormat::I8
+    let min = if w.format == QFormat::I4 { INT4_MIN_TOKENS } else { 1 };
+    (w.format == QFormat::I4 || w.bias().is_none())
         && matches!(w.mode, ScaleMode::Row | ScaleMode::Pair)
-        && w.bias().is_none()
         && w.rows >= 16
-        && (1..=MAX_TOKENS).contains(&n)
+        && (min..=MAX_TOKENS).contains(&n)
 }
 
 /// How tokens and k steps map onto B tiles and C columns.
@@ -108,21 +115,29 @@ impl Plan {
     }
 }
 
-/// The B tiles (`[group][step]`, 1 KiB each) and each group's per-period column scales
-/// (`[group][period][16]`, 0 where a column is unused), reused across calls on a thread.
+/// The B tiles (`[group][step]`, 1 KiB each), and per group and period (`[group][period][16]`,
+/// 0 where a column is unused) each column's activation scale and, for int4, its zero-point
+/// correction; reused across calls on a thread.
 #[derive(Default)]
 struct Packed {
     b: Vec<i8>,
     dv: Vec<f32>,
+    /// int4: `zero * sum(block's int8 activations)` (zero 8 for the low nibbles, 128 for the
+    /// high nibbles kept in place), subtracted from C in integers (exact).
+    zv: Vec<i32>,
 }
 
+type GroupBufs<'a> = (usize, ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]));
+
 impl Packed {
-    fn fill(&mut self, act: &QAct, plan: &Plan) {
+    fn fill(&mut self, act: &QAct, plan: &Plan, i4: bool) {
         self.b.clear();
         self.b.resize(plan.groups * plan.ksteps * TILE, 0);
         self.dv.clear();
         self.dv.resize(plan.groups * plan.periods * 16, 0.0);
-        let group = |(j, (b, dv)): (usize, (&mut [i8], &mut [f32]))| {
+        self.zv.clear();
+        self.zv.resize(plan.groups * plan.periods * 16, 0);
+        let group = |(j, ((b, dv), zv)): GroupBufs<'_>| {
             for tl in 0..plan.p.min(plan.n - j * plan.p) {
                 let t = j * plan.p + tl;
                 let (q, d) = (act.q_row(t), act.d_row(t));
@@ -132,17 +147,25 @@ impl Packed {
                         tile[r * 64 + c * 4..][..4].copy_from_slice(&q[QCHUNK * s + 4 * r..][..4]);
                     }
                     for h in 0..2 {
-                        dv[(s / plan.g) * 16 + plan.col(tl, s, h)] = d[2 * s + h];
+                        let at = (s / plan.g) * 16 + plan.col(tl, s, h);
+                        dv[at] = d[2 * s + h];
+                        if i4 {
+                            // The high nibbles are in place (x16): scale 1/16 (a power of two).
+                            let sum: i32 = q[QBLOCK * (2 * s + h)..][..QBLOCK].iter().map(|&v| v as i32).sum();
+                            dv[at] *= if h == 0 { 1.0 } else { 1.0 / 16.0 };
+                            zv[at] = if h == 0 { 8 * sum } else { 128 * sum };
+                        }
                     }
                 }
             }
         };
         let tiles = self.b.par_chunks_mut(plan.ksteps * TILE);
         let scales = self.dv.par_chunks_mut(plan.periods * 16);
+        let zeros = self.zv.par_chunks_mut(plan.periods * 16);
         if plan.groups > 1 {
-            tiles.zip(scales).enumerate().for_each(group);
+            tiles.zip(scales).zip(zeros).enumerate().for_each(group);
         } else {
-            group((0, (&mut self.b[..], &mut self.dv[..])));
+            group((0, ((&mut self.b[..], &mut self.dv[..]), &mut self.zv[..])));
         }
     }
 }
@@ -163,6 +186,7 @@ pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
     assert_eq!(act.kp, w.kp, "amx int8 matmul: activations quantized for another weight");
     assert!(takes(w, n), "amx int8 matmul: unsupported weight or token count");
     let plan = Plan::new(n, w.kp);
+    let i4 = w.format == QFormat::I4;
     let outp = SharedOut(out.as_mut_ptr());
     let run = |packed: &Packed| {
         let threads = rayon::current_num_threads().max(1);
@@ -188,7 +212,7 @@ pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
                     };
                     // SAFETY: the config is loaded; rows rb..rb + 16 exist (rb + 16 <= full <= m);
                     // `packed` was filled for this plan; `next` starts 16 existing rows or is null.
-                    unsafe { block16(w, rb, next, &plan, j0, packed, &mut res) };
+                    unsafe { block16(w, act, rb, next, &plan, j0, packed, &mut res) };
                     for (tl, row) in res.iter().enumerate().take(nt) {
                         for (i, &v) in row.iter().enumerate() {
                             // SAFETY: t0 + tl < n, rb + i < full <= r1: this task's rows.
@@ -214,42 +238,65 @@ pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
     };
     PACKED.with(|cell| match cell.try_borrow_mut() {
         Ok(mut packed) => {
-            packed.fill(act, &plan);
+            packed.fill(act, &plan, i4);
             run(&packed);
         }
         // Re-entered on this thread (a nested call): a buffer of its own.
         Err(_) => {
             let mut packed = Packed::default();
-            packed.fill(act, &plan);
+            packed.fill(act, &plan, i4);
             run(&packed);
         }
     });
 }
 
-/// `C[j] += A x B[j]` for group `j` (tmm0-3; A in tmm4; B in tmm5-7, group 3 reusing tmm5).
+/// `C[j] += A x B[j]` for group `j` (tmm0-3; A in tmm4; B in tmm5-7, group 3 reusing tmm5):
+/// `tdpbssd` (signed int8 weights) or, with `unsigned_a`, `tdpbusd` (int4 nibbles as unsigned
+/// bytes).
 ///
 /// # Safety
 /// The tile config is loaded; tmm4 holds the step's A tile; `b` points at a readable 1 KiB tile.
 #[inline(always)]
-unsafe fn product(j: usize, b: *const i8) {
+unsafe fn product(j: usize, b: *const i8, unsigned_a: bool) {
     macro_rules! go {
-        ($bt:literal, $ct:literal) => {
+        ($op:literal, $bt:literal, $ct:literal) => {
             asm!(
                 concat!("tileloadd ", $bt, ", [{b} + {s}*1]"),
-                concat!("tdpbssd ", $ct, ", tmm4, ", $bt),
+                concat!($op, " ", $ct, ", tmm4, ", $bt),
                 b = in(reg) b,
                 s = in(reg) 64usize,
                 options(nostack, readonly),
             )
         };
     }
-    match j {
-        0 => go!("tmm5", "tmm0"),
-        1 => go!("tmm6", "tmm1"),
-        2 => go!("tmm7", "tmm2"),
-        _ => go!("tmm5", "tmm3"),
+    match (unsigned_a, j) {
+        (false, 0) => go!("tdpbssd", "tmm5", "tmm0"),
+        (false, 1) => go!("tdpbssd", "tmm6", "tmm1"),
+        (false, 2) => go!("tdpbssd", "tmm7", "tmm2"),
+        (false, _) => go!("tdpbssd", "tmm5", "tmm3"),
+        (true, 0) => go!("tdpbusd", "tmm5", "tmm0"),
+        (true, 1) => go!("tdpbusd", "tmm6", "tmm1"),
+        (true, 2) => go!("tdpbusd", "tmm7", "tmm2"),
+        (true, _) => go!("tdpbusd", "tmm5", "tmm3"),
     }
 }
+
+/// Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
+#[repr(C, align(64))]
+struct Mask([u8; 64]);
+const I4_MASK: Mask = {
+    let mut a = [0x0Fu8; 64];
+    let mut i = 32;
+    while i < 64 {
+        a[i] = 0xF0;
+        i += 1;
+    }
+    Mask(a)
+};
+
+/// One A tile (16 rows x 64 bytes), 64-byte aligned.
+#[repr(C, align(64))]
+struct ATile([u8; TILE]);
 
 /// Store C tile `j` (16 rows x 16 i32) into `c` and zero it.
 ///
@@ -288,12 +335,21 @@ fn prefetch_rows(p: *const u8, stride: usize) {
 /// Rows `rb..rb + 16` x the tokens of groups `j0..j0 + 4` of `plan`: `res[tl][i]` = row
 /// `rb + i`, token `j0 * plan.p + tl`.
 ///
+/// Per k step the A tile is the 16 rows' 64 int8 weights in place, or (int4) their 32 packed
+/// bytes unpacked into `abuf`: low nibbles in bytes 0-31, high nibbles left in place (x16) in
+/// bytes 32-63, as in the VNNI kernel. The int4 zero point comes off C in integers, the 1/16 of
+/// the high nibbles with the activation scales, and the bias term `sum_g bias[r, g] * A[t, g]`
+/// is added at the end.
+///
 /// # Safety
 /// The tile config is loaded on this thread; rows `rb..rb + 16` exist in `w`; `packed` was
-/// filled for `plan` (and `w`'s padded columns); `next` is null or starts 16 rows of `w`.
+/// filled for `plan` (and `w`'s padded columns and format); `next` is null or is row `rb + 16`,
+/// the first of 16 more rows of `w`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn block16(
     w: &QMat,
+    act: &QAct,
     rb: usize,
     next: *const u8,
     plan: &Plan,
@@ -303,13 +359,26 @@ unsafe fn block16(
 ) {
     let stride = w.row_bytes();
     let a = w.packed()[rb * stride..].as_ptr();
+    let i4 = w.format == QFormat::I4;
+    // Bytes of a row per k step.
+    let step_bytes = if i4 { QCHUNK / 2 } else { QCHUNK };
+    let ahead = PREFETCH_STEPS * QCHUNK;
     let (ksteps, g) = (plan.ksteps, plan.g);
     let b = packed.b.as_ptr();
     let groups = GROUPS.min(plan.groups - j0);
     let mut acc = [[_mm512_setzero_ps(); 16]; GROUPS];
     let mut cbuf = [[0i32; 16]; 16];
+    let mut abuf = ATile([0; TILE]);
+    let mask = _mm512_load_si512(I4_MASK.0.as_ptr().cast());
     let pair = w.mode == ScaleMode::Pair;
-    let scales = w.scales();
+    let (scales, ng) = (w.scales(), w.ng);
+    let bias = w.bias();
+    // The next block's scales and biases (separate arrays) stream in over this block's steps.
+    let side = |arr: Option<&[f32]>| match arr {
+        Some(v) if !next.is_null() && ng > 1 => Prefetcher::rows(v.as_ptr().cast(), ng * 4, rb + 16, 16, ksteps),
+        _ => Prefetcher::none(),
+    };
+    let (ps, pb) = (side(Some(scales)), side(bias));
     // Column c of a period reads weight block `2 s0 + c % 2g` (Pair scales).
     let mut idx = [0i32; 16];
     for (c, v) in idx.iter_mut().enumerate() {
@@ -320,41 +389,56 @@ unsafe fn block16(
     for p in 0..plan.periods {
         let s0 = p * g;
         for s in s0..(s0 + g).min(ksteps) {
-            if s + PREFETCH_STEPS < ksteps {
-                prefetch_rows(a.wrapping_add((s + PREFETCH_STEPS) * QCHUNK), stride);
-            } else if !next.is_null() {
-                // The next block's first segments, so its rows are under way when it starts.
-                prefetch_rows(next.wrapping_add((s + PREFETCH_STEPS - ksteps) * QCHUNK), stride);
+            let off = s * step_bytes;
+            if off % 64 == 0 {
+                // Each row's line `ahead` bytes on (past the row's end: the next block's start,
+                // so its rows are under way when it begins).
+                if off + ahead < stride {
+                    prefetch_rows(a.wrapping_add(off + ahead), stride);
+                } else if !next.is_null() {
+                    prefetch_rows(next.wrapping_add(off + ahead - stride), stride);
+                }
             }
+            ps.step(s);
+            pb.step(s);
+            let (at, sa) = if i4 {
+                for r in 0..16 {
+                    let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.add(r * stride + off).cast()));
+                    _mm512_store_si512(abuf.0.as_mut_ptr().add(r * 64).cast(), _mm512_and_si512(v, mask));
+                }
+                (abuf.0.as_ptr(), 64)
+            } else {
+                (a.add(off), stride)
+            };
             asm!(
                 "tileloadd tmm4, [{a} + {sa}*1]",
-                a = in(reg) a.add(s * QCHUNK),
-                sa = in(reg) stride,
+                a = in(reg) at,
+                sa = in(reg) sa,
                 options(nostack, readonly),
             );
             for j in 0..groups {
-                product(j, b.add(((j0 + j) * ksteps + s) * TILE));
+                product(j, b.add(((j0 + j) * ksteps + s) * TILE), i4);
             }
         }
         // Per-row weight scales of this period's 16 columns (Pair), zero past the row's blocks.
         let mut sv = [_mm512_setzero_ps(); 16];
         if pair {
-            let nb = w.ng;
-            let valid = (2 * g).min(nb - 2 * s0);
-            let mask: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+            let valid = (2 * g).min(ng - 2 * s0);
+            let m: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
             for (i, v) in sv.iter_mut().enumerate() {
-                let row = scales[(rb + i) * nb + 2 * s0..].as_ptr();
-                let loaded = _mm512_maskz_loadu_ps(mask, row);
+                let loaded = _mm512_maskz_loadu_ps(m, scales[(rb + i) * ng + 2 * s0..].as_ptr());
                 *v = if g == 8 { loaded } else { _mm512_permutexvar_ps(idx, loaded) };
             }
         }
         for (j, accj) in acc.iter_mut().enumerate().take(groups) {
             drain(j, &mut cbuf);
-            let d = _mm512_loadu_ps(packed.dv[((j0 + j) * plan.periods + p) * 16..].as_ptr());
+            let at = ((j0 + j) * plan.periods + p) * 16;
+            let d = _mm512_loadu_ps(packed.dv[at..].as_ptr());
+            let z = if i4 { _mm512_loadu_si512(packed.zv[at..].as_ptr().cast()) } else { _mm512_setzero_si512() };
             for (i, acci) in accj.iter_mut().enumerate() {
-                let c = _mm512_cvtepi32_ps(_mm512_loadu_si512(cbuf[i].as_ptr().cast()));
+                let ci = _mm512_sub_epi32(_mm512_loadu_si512(cbuf[i].as_ptr().cast()), z);
                 let scale = if pair { _mm512_mul_ps(d, sv[i]) } else { d };
-                *acci = _mm512_fmadd_ps(c, scale, *acci);
+                *acci = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), scale, *acci);
             }
         }
     }
@@ -362,12 +446,36 @@ unsafe fn block16(
     let lanes: __mmask16 = ((1u32 << (2 * g)) - 1) as __mmask16;
     for (t, out) in res.iter_mut().enumerate().take((plan.n - j0 * plan.p).min(GROUPS * plan.p)) {
         let (j, tl) = (t / plan.p, t % plan.p);
-        let mask = lanes << (tl * 2 * g);
+        let cols = lanes << (tl * 2 * g);
         for (i, o) in out.iter_mut().enumerate() {
-            let v = _mm512_mask_reduce_add_ps(mask, acc[j][i]);
+            let v = _mm512_mask_reduce_add_ps(cols, acc[j][i]);
             *o = if pair { v } else { v * scales[rb + i] };
+            if let Some(bias) = bias {
+                *o += dot(&bias[(rb + i) * ng..][..ng], act.a_row(j0 * plan.p + t));
+            }
         }
     }
+}
+
+/// `sum_i a[i] * b[i]` on 16-lane vectors (the bias term).
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let m: __mmask16 = if n - i >= 16 { 0xFFFF } else { ((1u32 << (n - i)) - 1) as __mmask16 };
+        acc = _mm512_fmadd_ps(
+            _mm512_maskz_loadu_ps(m, a.as_ptr().add(i)),
+            _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)),
+            acc,
+        );
+        i += 16;
+    }
+    _mm512_reduce_add_ps(acc)
 }
 
 const _: () = assert!(QCHUNK == 2 * QBLOCK, "a tile step is two activation blocks");

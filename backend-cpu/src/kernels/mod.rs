@@ -6,11 +6,13 @@
 //! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 the
 //! bf16 matmuls of a few tokens with bf16 activations ([`avx512bf16`], `vdpbf16ps`); AMX the
 //! matmuls whose activations are bf16: bf16 weights from one token (16 weight rows at a time up
-//! to 16 tokens), int4 weights and int8 weights of more than 64 tokens (dequantized into bf16
-//! tiles) from 32 ([`amx`]); everything else runs the AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
+//! to 16 tokens), int8/int4 weights of more than 64 tokens (dequantized into bf16 tiles; also
+//! the int8 layouts AMX INT8 does not take, from 32) ([`amx`]); everything else runs the AVX2
+//! code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AMX INT8 tiles for
-//! symmetric int8 weights at 1 to 64 tokens ([`amx_int8`]) with VNNI for the rest, where the
+//! symmetric int8 weights at 1 to 64 tokens and int4 at 3 to 64 (per-row or per-32 scales,
+//! [`amx_int8`]) with VNNI for the rest, where the
 //! float level is AMX and the processor has AMX-INT8; else AVX-512 VNNI (with AVX-512BW) when
 //! present, else AVX2, else portable. `SPARK_CPU_SIMD=amx-bf16` caps it at VNNI (keeping AMX
 //! BF16), `=avx512` below VNNI (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and
