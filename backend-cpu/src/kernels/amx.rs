@@ -28,6 +28,7 @@
 
 use std::arch::asm;
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -149,12 +150,13 @@ fn bf16_bits(v: f32) -> u16 {
 
 /// Pack `x` `[n, k]` into B tiles: for token block `tb` and k step `s`, tile
 /// `(tb * ksteps + s)` holds `u32` pairs `[r][t] = (x[16 tb + t][32 s + 2r], ..+1)`; tokens past
-/// `n` are zero.
-fn pack_activations(x: &[f32], n: usize, k: usize) -> Vec<u16> {
+/// `n` are zero. `xp` is resized to fit (a buffer reused across calls).
+fn pack_activations(x: &[f32], n: usize, k: usize, xp: &mut Vec<u16>) {
     let ksteps = k / KS;
     let tblocks = n.div_ceil(16);
-    let mut xp = vec![0u16; tblocks * ksteps * TILE_U16];
-    xp.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(|(tb, dst)| {
+    xp.clear();
+    xp.resize(tblocks * ksteps * TILE_U16, 0);
+    let block = |(tb, dst): (usize, &mut [u16])| {
         for t in 0..16.min(n - tb * 16) {
             let row = &x[(tb * 16 + t) * k..(tb * 16 + t + 1) * k];
             for (s, tile) in dst.chunks_exact_mut(TILE_U16).enumerate() {
@@ -165,8 +167,18 @@ fn pack_activations(x: &[f32], n: usize, k: usize) -> Vec<u16> {
                 }
             }
         }
-    });
-    xp
+    };
+    if tblocks > 1 {
+        xp.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(block);
+    } else {
+        block((0, &mut xp[..]));
+    }
+}
+
+thread_local! {
+    /// The packed activations of the calls made on this thread (decode calls it ~150 times per
+    /// token: one buffer instead of an allocation each).
+    static PACKED_X: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Copy weight rows `rb..rb+valid` (zero rows up to 32), k steps `s0..s0+ns`, into A tiles:
@@ -368,8 +380,28 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
         Weights::Quant(q) => assert!(q.rows == m && q.cols == k, "amx matmul: w has the wrong shape"),
     }
     assert_eq!(out.len(), n * m, "amx matmul: out has the wrong size");
+    PACKED_X.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut xp) => {
+            pack_activations(x, n, k, &mut xp);
+            // SAFETY: as this function's own contract.
+            unsafe { matmul_packed(&xp, n, k, w, m, out, round) }
+        }
+        // Re-entered on this thread (a nested call): a buffer of its own.
+        Err(_) => {
+            let mut xp = Vec::new();
+            pack_activations(x, n, k, &mut xp);
+            // SAFETY: as this function's own contract.
+            unsafe { matmul_packed(&xp, n, k, w, m, out, round) }
+        }
+    });
+}
+
+/// [`matmul`] on activations already packed by [`pack_activations`].
+///
+/// # Safety
+/// As [`matmul`].
+unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize, out: &mut [f32], round: DType) {
     let ksteps = k / KS;
-    let xp = pack_activations(x, n, k);
     let tblocks = n.div_ceil(16);
     let threads = rayon::current_num_threads().max(1);
     // Enough chunks to balance the threads, each a multiple of 32 rows.
