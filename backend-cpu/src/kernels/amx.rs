@@ -175,6 +175,10 @@ fn pack_activations(x: &[f32], n: usize, k: usize, xp: &mut Vec<u16>) {
     }
 }
 
+/// The largest packed activations kept for reuse (1 MiB: 32 tokens at k = 16384, 128 at
+/// k = 4096); prefill's are allocated per call rather than held for the thread's life.
+const REUSE_BYTES: usize = 1 << 20;
+
 thread_local! {
     /// The packed activations of the calls made on this thread (decode calls it ~150 times per
     /// token: one buffer instead of an allocation each).
@@ -380,14 +384,16 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
         Weights::Quant(q) => assert!(q.rows == m && q.cols == k, "amx matmul: w has the wrong shape"),
     }
     assert_eq!(out.len(), n * m, "amx matmul: out has the wrong size");
+    let bytes = n.div_ceil(16) * (k / KS) * TILE_U16 * 2;
     PACKED_X.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut xp) => {
+        Ok(mut xp) if bytes <= REUSE_BYTES => {
             pack_activations(x, n, k, &mut xp);
             // SAFETY: as this function's own contract.
             unsafe { matmul_packed(&xp, n, k, w, m, out, round) }
         }
-        // Re-entered on this thread (a nested call): a buffer of its own.
-        Err(_) => {
+        // Prefill-sized (not kept for the thread's life), or re-entered on this thread (a nested
+        // call): a buffer of its own.
+        _ => {
             let mut xp = Vec::new();
             pack_activations(x, n, k, &mut xp);
             // SAFETY: as this function's own contract.
