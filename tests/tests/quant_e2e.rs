@@ -192,8 +192,9 @@ fn check_all(spec: QuantSpec, what: &str) -> (f64, f64, f64, f64) {
         100.0 * base_greedy
     );
     let mut worst = (f64::INFINITY, 1.0f64, 1.0f64);
-    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
+    for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512, Simd::Amx] {
         if simd > Simd::detect() {
+            eprintln!("{what}: skipped {simd:?}: this CPU does not have it");
             continue;
         }
         let (snr, top1, greedy) = check(spec, simd, false);

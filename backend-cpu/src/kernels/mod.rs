@@ -10,11 +10,10 @@
 //! the int8 layouts AMX INT8 does not take, from 32) ([`amx`]); everything else runs the AVX2
 //! code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
 //!
-//! The integer (quantized-weight) kernels have their own level, [`QSimd`]: AMX INT8 tiles for
-//! symmetric int8 weights at 1 to 64 tokens and int4 at 3 to 64 (per-row or per-32 scales,
-//! [`amx_int8`]) with VNNI for the rest, where the
-//! float level is AMX and the processor has AMX-INT8; else AVX-512 VNNI (with AVX-512BW) when
-//! present, else AVX2, else portable. `SPARK_CPU_SIMD=amx-bf16` caps it at VNNI (keeping AMX
+//! The integer (quantized-weight) kernels have their own level, [`QSimd`]: where the float level
+//! is AMX and the processor has AMX-INT8, AMX INT8 tiles for symmetric int8 weights at 1 to 64
+//! tokens and int4 at 3 to 64 (per-row or per-32 scales, [`amx_int8`]) and VNNI for the rest;
+//! else AVX-512 VNNI (with AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=amx-bf16` caps it at VNNI (keeping AMX
 //! BF16), `=avx512` below VNNI (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and
 //! `=portable` as above.
 
@@ -84,13 +83,14 @@ impl Simd {
         }
     }
 
-    /// The integer-kernel level that goes with this float level: VNNI only at `Avx512` on a
-    /// processor with AVX-512 VNNI+BW (and no `SPARK_CPU_SIMD` cap below it).
+    /// The integer-kernel level that goes with this float level: VNNI from `Avx512`, AMX INT8
+    /// only at `Amx`, each on a processor that has it (and no `SPARK_CPU_SIMD` cap below it).
     pub fn qsimd(self) -> QSimd {
         match self {
             Simd::Portable => QSimd::Portable,
             Simd::Avx2 => QSimd::Avx2,
-            Simd::Avx512 | Simd::Amx => QSimd::detect().max(QSimd::Avx2),
+            Simd::Avx512 => QSimd::detect().clamp(QSimd::Avx2, QSimd::Avx512Vnni),
+            Simd::Amx => QSimd::detect().max(QSimd::Avx2),
         }
     }
 }
@@ -104,8 +104,9 @@ pub enum QSimd {
     Avx2,
     /// AVX-512 `vpdpbusd` on 64 bytes at a time (needs AVX-512F, BW and VNNI).
     Avx512Vnni,
-    /// VNNI plus AMX INT8 tiles (`tdpbssd`) for the int8 weights of decode-sized batches
-    /// ([`amx_int8`]); everything else at this level runs the VNNI kernels.
+    /// VNNI plus AMX INT8 tiles (`tdpbssd` / `tdpbusd`) for the int8 and int4 weights of
+    /// decode-sized batches ([`amx_int8::takes`]); everything else at this level runs the VNNI
+    /// kernels.
     AmxInt8,
 }
 
