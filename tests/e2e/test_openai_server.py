@@ -249,6 +249,53 @@ def test_disconnect_mid_stream_frees_kv(server):
     assert m["spark_requests_cancelled_total"] >= 1
 
 
+def test_admission_control_queue_full_and_kv_budget():
+    # One running sequence, one waiting; 1 MiB of KV: a 300-token request fits, a 2000-token one
+    # does not (the demo model keeps about 1 KiB per token in its two full layers).
+    s = Server("--max-seqs", "1", "--max-queue", "1", "--kv-budget", "1MiB")
+    try:
+        body = {"model": s.model, "prompt": "The file", "max_tokens": 300, "temperature": 0.7, "stream": True,
+                "ignore_eos": True}
+        # The first request runs (its first chunks have arrived) ...
+        first = requests.post(s.base + "/v1/completions", json=body, stream=True, timeout=60)
+        assert first.status_code == 200
+        first_lines = first.iter_lines()
+        got = 0
+        for line in first_lines:
+            if line.startswith(b"data: "):
+                got += 1
+                if got == 3:
+                    break
+        # ... the second waits in the queue ...
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(requests.post, s.base + "/v1/completions", json={**body, "stream": False},
+                                 timeout=120)
+            deadline = time.time() + 15
+            while s.metrics()["spark_queue_depth"] < 1 and time.time() < deadline:
+                time.sleep(0.02)
+            assert s.metrics()["spark_queue_depth"] == 1
+            # ... so a third is refused with 429 and a Retry-After.
+            r = post(s, "/v1/completions", {**body, "stream": False})
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+            assert int(r.headers["Retry-After"]) >= 1
+            # A request that could never fit the KV budget: 503 and a Retry-After.
+            r = post(s, "/v1/completions", {**body, "stream": False, "max_tokens": 2000})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "kv_budget_exceeded"
+            assert int(r.headers["Retry-After"]) >= 1
+            # The admitted ones still complete, and nothing is left behind.
+            rest = sum(1 for line in first_lines if line.startswith(b"data: "))
+            assert got + rest > 300  # 300 token chunks, the usage chunk and [DONE]
+            done = second.result()
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 300
+        m = s.metrics()
+        assert m["spark_kv_bytes_in_use"] == 0 and m["spark_queue_depth"] == 0, m
+        assert m["spark_requests_rejected_total"] >= 2, m
+    finally:
+        s.stop()
+
+
 def post(server, path, body, raw=False):
     data = body if raw else json.dumps(body)
     return requests.post(server.base + path, data=data, headers={"Content-Type": "application/json"})
