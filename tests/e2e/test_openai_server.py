@@ -225,9 +225,11 @@ def test_sixteen_concurrent_streams(server):
     assert m["spark_kv_bytes_in_use"] == 0
 
 
-def test_disconnect_mid_stream_frees_kv(server):
-    body = {"model": server.model, "prompt": "The file", "max_tokens": 1500, "temperature": 0.7, "stream": True,
-            "ignore_eos": True}
+def open_stream(server, max_tokens, chunks):
+    """A streaming completion of `max_tokens` (ignore_eos) whose first `chunks` data lines have
+    arrived: (response, the rest of its lines)."""
+    body = {"model": server.model, "prompt": "The file", "max_tokens": max_tokens, "temperature": 0.7,
+            "stream": True, "ignore_eos": True}
     r = requests.post(server.base + "/v1/completions", json=body, stream=True, timeout=60)
     assert r.status_code == 200
     lines = r.iter_lines()
@@ -235,8 +237,13 @@ def test_disconnect_mid_stream_frees_kv(server):
     for line in lines:
         if line.startswith(b"data: "):
             got += 1
-            if got == 5:
+            if got == chunks:
                 break
+    return r, lines
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    r, _ = open_stream(server, 1500, 5)
     assert server.metrics()["spark_kv_bytes_in_use"] > 0
     r.close()
     deadline = time.time() + 15
@@ -254,39 +261,30 @@ def test_admission_control_queue_full_and_kv_budget():
     # does not (the demo model keeps about 1 KiB per token in its two full layers).
     s = Server("--max-seqs", "1", "--max-queue", "1", "--kv-budget", "1MiB")
     try:
-        body = {"model": s.model, "prompt": "The file", "max_tokens": 300, "temperature": 0.7, "stream": True,
-                "ignore_eos": True}
         # The first request runs (its first chunks have arrived) ...
-        first = requests.post(s.base + "/v1/completions", json=body, stream=True, timeout=60)
-        assert first.status_code == 200
-        first_lines = first.iter_lines()
-        got = 0
-        for line in first_lines:
-            if line.startswith(b"data: "):
-                got += 1
-                if got == 3:
-                    break
+        _, first_lines = open_stream(s, 300, 3)
+        body = {"model": s.model, "prompt": "The file", "max_tokens": 300, "ignore_eos": True}
         # ... the second waits in the queue ...
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            second = pool.submit(requests.post, s.base + "/v1/completions", json={**body, "stream": False},
-                                 timeout=120)
+            second = pool.submit(requests.post, s.base + "/v1/completions", json=body, timeout=120)
             deadline = time.time() + 15
             while s.metrics()["spark_queue_depth"] < 1 and time.time() < deadline:
                 time.sleep(0.02)
             assert s.metrics()["spark_queue_depth"] == 1
             # ... so a third is refused with 429 and a Retry-After.
-            r = post(s, "/v1/completions", {**body, "stream": False})
+            r = post(s, "/v1/completions", body)
             assert r.status_code == 429, r.text
             assert r.json()["error"]["code"] == "queue_full"
             assert int(r.headers["Retry-After"]) >= 1
             # A request that could never fit the KV budget: 503 and a Retry-After.
-            r = post(s, "/v1/completions", {**body, "stream": False, "max_tokens": 2000})
+            r = post(s, "/v1/completions", {**body, "max_tokens": 2000})
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "kv_budget_exceeded"
             assert int(r.headers["Retry-After"]) >= 1
             # The admitted ones still complete, and nothing is left behind.
-            rest = sum(1 for line in first_lines if line.startswith(b"data: "))
-            assert got + rest > 300  # 300 token chunks, the usage chunk and [DONE]
+            rest = [line for line in first_lines if line.startswith(b"data: ")]
+            assert rest[-1] == b"data: [DONE]"
+            assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
             done = second.result()
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 300
         m = s.metrics()

@@ -281,19 +281,6 @@ unsafe fn product(j: usize, b: *const i8, unsigned_a: bool) {
     }
 }
 
-/// Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
-#[repr(C, align(64))]
-struct Mask([u8; 64]);
-const I4_MASK: Mask = {
-    let mut a = [0x0Fu8; 64];
-    let mut i = 32;
-    while i < 64 {
-        a[i] = 0xF0;
-        i += 1;
-    }
-    Mask(a)
-};
-
 /// One A tile (16 rows x 64 bytes), 64-byte aligned.
 #[repr(C, align(64))]
 struct ATile([u8; TILE]);
@@ -369,7 +356,8 @@ unsafe fn block16(
     let mut acc = [[_mm512_setzero_ps(); 16]; GROUPS];
     let mut cbuf = [[0i32; 16]; 16];
     let mut abuf = ATile([0; TILE]);
-    let mask = _mm512_load_si512(I4_MASK.0.as_ptr().cast());
+    // Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
+    let mask = super::qavx512::I4_MASK.v;
     let pair = w.mode == ScaleMode::Pair;
     let (scales, ng) = (w.scales(), w.ng);
     let bias = w.bias();

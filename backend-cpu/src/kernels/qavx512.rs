@@ -70,9 +70,9 @@ impl Fmt for I4 {
 }
 
 #[repr(C)]
-union Bytes {
+pub(super) union Bytes {
     a: [u8; 64],
-    v: __m512i,
+    pub(super) v: __m512i,
 }
 #[repr(C)]
 union Floats {
@@ -80,7 +80,7 @@ union Floats {
     v: __m512,
 }
 /// Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
-const I4_MASK: Bytes = {
+pub(super) const I4_MASK: Bytes = {
     let mut a = [0x0Fu8; 64];
     let mut i = 32;
     while i < 64 {
