@@ -90,7 +90,9 @@ impl<B: Backend> Model<B> {
         // Matrices one at a time, so at most one float copy of a quantized-at-load matrix lives.
         let up_q = |w: &Weight, role, quantize: bool| match (w, opts.quant) {
             (Weight::Quant(q), _) => b.upload_quant(q, role, dtype),
-            (Weight::Float(t), Some(spec)) if quantize => b.upload_quant(&quantize_tensor(t, spec)?, role, dtype),
+            (Weight::Float(t), Some(spec)) if quantize => {
+                b.upload_quant(&quantize_tensor(t, spec.for_layers(cfg.n_layers))?, role, dtype)
+            }
             (Weight::Float(t), _) => b.upload_weight(t, role, dtype),
         };
         let up = |w: &Weight, role| up_q(w, role, true);

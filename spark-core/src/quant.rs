@@ -96,6 +96,35 @@ impl std::fmt::Display for QFormat {
 pub struct QuantSpec {
     pub format: QFormat,
     pub group: Option<usize>,
+    /// The model's layer count, for int4's mix ([`more_bits_layer`]): the attention input
+    /// (`q_k_v_proj`) and the MLP output (`down_proj`) of about half the layers stay int8, where
+    /// llama.cpp's Q4_K_M keeps `attn_v` and `ffn_down` of the same layers in Q6_K. `None`:
+    /// every layer's matrices in int4 (the model loader and `spark-run quantize` fill it in).
+    pub layers: Option<usize>,
+}
+
+impl QuantSpec {
+    /// `format` with the default group and no layer count.
+    pub fn new(format: QFormat, group: Option<usize>) -> QuantSpec {
+        QuantSpec { format, group, layers: None }
+    }
+
+    /// This spec for a model of `layers` layers (kept if already set).
+    pub fn for_layers(self, layers: usize) -> QuantSpec {
+        QuantSpec { layers: self.layers.or(Some(layers)), ..self }
+    }
+}
+
+/// llama.cpp's choice of the layers whose `attn_v` / `ffn_down` get more bits in Q4_K_M: the
+/// first and last eighth, and every third layer between (`use_more_bits`).
+pub fn more_bits_layer(i: usize, layers: usize) -> bool {
+    i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2
+}
+
+/// The layer index of a `...layers.{i}....` tensor name.
+fn layer_index(name: &str) -> Option<usize> {
+    let rest = &name[name.find("layers.")? + "layers.".len()..];
+    rest[..rest.find('.')?].parse().ok()
 }
 
 impl QuantSpec {
@@ -272,13 +301,26 @@ impl QuantSpec {
     /// int8: symmetric per output channel (or in `group`s), every matrix. int4: asymmetric
     /// groups (a scale and a bias each; default 32 columns) for every matrix except the token
     /// embedding / output head, which is int8 per output channel: its error goes straight into
-    /// the logits (llama.cpp's Q4_K_M keeps it in Q6_K for the same reason).
+    /// the logits (llama.cpp's Q4_K_M keeps it in Q6_K for the same reason); and, given the
+    /// layer count, `q_k_v_proj` and `down_proj` of the [`more_bits_layer`]s, also int8 per
+    /// output channel.
     pub fn plan(&self, name: &str, cols: usize) -> Result<QPlan> {
-        if self.format == QFormat::I4 && is_embedding_or_head(name) {
-            return QuantSpec { format: QFormat::I8, group: None }.plan(name, cols);
+        if self.format == QFormat::I4 && (is_embedding_or_head(name) || self.more_bits(name)) {
+            return QuantSpec::new(QFormat::I8, None).plan(name, cols);
         }
         let group = self.group_for(name, cols)?;
         Ok(QPlan { format: self.format, group, bias: self.format == QFormat::I4 })
+    }
+}
+
+impl QuantSpec {
+    /// Whether int4 keeps `name` in int8 as one of the mix's more-bits matrices.
+    fn more_bits(&self, name: &str) -> bool {
+        let role = ["q_k_v_proj.weight", "v_proj.weight", "mlp.down_proj.weight"].iter().any(|r| name.ends_with(r));
+        match (self.layers, layer_index(name)) {
+            (Some(n), Some(i)) if role && i < n => more_bits_layer(i, n),
+            _ => false,
+        }
     }
 }
 
@@ -663,7 +705,7 @@ mod tests {
     fn int8_per_channel_round_trips_within_half_a_step() {
         let (r, c) = (5, 96);
         let x = ramp(r, c);
-        let q = quantize("w", r, c, &x, QuantSpec { format: QFormat::I8, group: None }).unwrap();
+        let q = quantize("w", r, c, &x, QuantSpec::new(QFormat::I8, None)).unwrap();
         assert_eq!(q.group, c);
         let y = q.dequantize();
         for row in 0..r {
@@ -680,7 +722,7 @@ mod tests {
         let (r, c) = (3, 128);
         let x = ramp(r, c);
         for g in [32, 64, 128] {
-            let spec = QuantSpec { format: QFormat::I4, group: Some(g) };
+            let spec = QuantSpec::new(QFormat::I4, Some(g));
             let plan = spec.plan("w", c).unwrap();
             assert_eq!(plan, QPlan { format: QFormat::I4, group: g, bias: true });
             let q = quantize("w", r, c, &x, spec).unwrap();
@@ -718,7 +760,7 @@ mod tests {
     /// The default group, the embedding / head rule and the plans' sizes.
     #[test]
     fn int4_plan_keeps_the_head_in_int8() {
-        let i4 = QuantSpec { format: QFormat::I4, group: None };
+        let i4 = QuantSpec::new(QFormat::I4, None);
         assert_eq!(i4.plan("model.layers.0.mlp.down_proj.weight", 768).unwrap().label(768), "int4-g32+bias");
         for head in ["model.embedding.weight", "lm_head.weight", "model.embed_tokens.weight"] {
             let p = i4.plan(head, 256).unwrap();
@@ -726,10 +768,10 @@ mod tests {
             assert_eq!(p.label(256), "int8-ch");
             assert_eq!(p.nbytes(10, 256), 10 * 256 + 4 * 10);
         }
-        let g128 = QuantSpec { format: QFormat::I4, group: Some(128) };
+        let g128 = QuantSpec::new(QFormat::I4, Some(128));
         assert_eq!(g128.plan("lm_head.weight", 256).unwrap().group, 256);
         assert_eq!(g128.plan("w", 256).unwrap().nbytes(2, 256), 2 * 128 + 4 * 2 * 2 * 2);
-        let i8 = QuantSpec { format: QFormat::I8, group: None };
+        let i8 = QuantSpec::new(QFormat::I8, None);
         assert_eq!(
             i8.plan("model.embedding.weight", 64).unwrap(),
             QPlan { format: QFormat::I8, group: 64, bias: false }
@@ -742,6 +784,42 @@ mod tests {
         // A bias on int8 is refused.
         let bad = QPlan { format: QFormat::I8, group: 64, bias: true };
         assert!(quantize_planned("w", 4, 64, &x, bad).unwrap_err().message.contains("bias"));
+    }
+
+    /// int4's Q4_K_M-style mix: with the layer count, q_k_v_proj and down_proj of llama.cpp's
+    /// more-bits layers are int8 per channel; every other matrix (and every layer without the
+    /// count) stays int4.
+    #[test]
+    fn int4_mix_keeps_the_more_bits_layers_attention_input_and_mlp_output_in_int8() {
+        // llama.cpp's use_more_bits for 28 layers: 0-2, 24-27, and 5, 8, ..., 23.
+        let more: Vec<usize> = (0..28).filter(|&i| more_bits_layer(i, 28)).collect();
+        assert_eq!(more, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
+        let eight: Vec<usize> = (0..8).filter(|&i| more_bits_layer(i, 8)).collect();
+        assert_eq!(eight, [0, 3, 6, 7]);
+        let mix = QuantSpec::new(QFormat::I4, None).for_layers(28);
+        let label = |spec: QuantSpec, name: &str| spec.plan(name, 256).unwrap().label(256);
+        for i in 0..28 {
+            let want = if more.contains(&i) { "int8-ch" } else { "int4-g32+bias" };
+            for role in ["self_attn.q_k_v_proj", "mlp.down_proj"] {
+                assert_eq!(label(mix, &format!("model.layers.{i}.{role}.weight")), want, "layer {i} {role}");
+            }
+            for role in ["self_attn.out_proj", "mlp.gate_proj", "mlp.up_proj"] {
+                assert_eq!(label(mix, &format!("model.layers.{i}.{role}.weight")), "int4-g32+bias", "{i} {role}");
+            }
+        }
+        // Without a layer count, or past it, or for int8: no mix.
+        let plain = QuantSpec::new(QFormat::I4, None);
+        assert_eq!(label(plain, "model.layers.0.mlp.down_proj.weight"), "int4-g32+bias");
+        assert_eq!(
+            label(QuantSpec::new(QFormat::I4, None).for_layers(2), "model.layers.5.mlp.down_proj.weight"),
+            "int4-g32+bias"
+        );
+        assert_eq!(
+            label(QuantSpec::new(QFormat::I8, Some(32)).for_layers(28), "model.layers.0.mlp.down_proj.weight"),
+            "int8-g32"
+        );
+        // for_layers keeps a count already set.
+        assert_eq!(mix.for_layers(8).layers, Some(28));
     }
 
     fn group_sse(x: &[f32], y: &[f32]) -> f64 {
@@ -762,7 +840,7 @@ mod tests {
             })
             .collect();
         for g in [32, 64, 128] {
-            let q = quantize("w", r, c, &x, QuantSpec { format: QFormat::I4, group: Some(g) }).unwrap();
+            let q = quantize("w", r, c, &x, QuantSpec::new(QFormat::I4, Some(g))).unwrap();
             let y = q.dequantize();
             for (k, (xg, yg)) in x.chunks(g).zip(y.chunks(g)).enumerate() {
                 let (lo, hi) = xg.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
@@ -800,12 +878,12 @@ mod tests {
     fn constant_and_tiny_groups_are_exact() {
         let mut x = vec![0.25f32; 64];
         x[32..].fill(-3.0);
-        let q = quantize("w", 1, 64, &x, QuantSpec { format: QFormat::I4, group: Some(32) }).unwrap();
+        let q = quantize("w", 1, 64, &x, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
         assert_eq!(q.dequantize(), x);
         assert_eq!(q.scales.as_slice(), &[0.0, 0.0]);
         // Two distinct values per group: both hit exactly (up to rounding of d * l + m).
         let y: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 1.5 } else { -0.5 }).collect();
-        let q = quantize("w", 1, 64, &y, QuantSpec { format: QFormat::I4, group: Some(32) }).unwrap();
+        let q = quantize("w", 1, 64, &y, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
         for (a, b) in y.iter().zip(q.dequantize()) {
             assert!((a - b).abs() < 1e-6, "{a} -> {b}");
         }
@@ -823,11 +901,11 @@ mod tests {
     #[test]
     fn bad_groups_and_values_are_refused_by_name() {
         let x = ramp(2, 96);
-        let e = quantize("blk.w", 2, 96, &x, QuantSpec { format: QFormat::I4, group: Some(64) }).unwrap_err();
+        let e = quantize("blk.w", 2, 96, &x, QuantSpec::new(QFormat::I4, Some(64))).unwrap_err();
         assert!(e.message.contains("blk.w") && e.message.contains("64"), "{e}");
         let mut y = x.clone();
         y[100] = f32::NAN;
-        let e = quantize("blk.w", 2, 96, &y, QuantSpec { format: QFormat::I8, group: None }).unwrap_err();
+        let e = quantize("blk.w", 2, 96, &y, QuantSpec::new(QFormat::I8, None)).unwrap_err();
         assert!(e.message.contains("row 1") && e.message.contains("col 4"), "{e}");
     }
 
@@ -837,8 +915,7 @@ mod tests {
         let x: Vec<f32> = (0..r * c).map(|i| ((i * 2654435761usize % 2001) as f32 - 1000.0) / 997.0).collect();
         let t = Tensor::from_f32("m", vec![r, c], DType::BF16, &x);
         let xb = t.to_f32();
-        for spec in [QuantSpec { format: QFormat::I8, group: None }, QuantSpec { format: QFormat::I4, group: Some(32) }]
-        {
+        for spec in [QuantSpec::new(QFormat::I8, None), QuantSpec::new(QFormat::I4, Some(32))] {
             let a = quantize_tensor(&t, spec).unwrap();
             let b = quantize("m", r, c, &xb, spec).unwrap();
             assert_eq!(a.q.as_slice(), b.q.as_slice());
@@ -849,14 +926,14 @@ mod tests {
         let mut y = xb.clone();
         y[(r - 1) * c + 3] = f32::INFINITY;
         let t = Tensor::from_f32("m", vec![r, c], DType::F32, &y);
-        let e = quantize_tensor(&t, QuantSpec { format: QFormat::I8, group: None }).unwrap_err();
+        let e = quantize_tensor(&t, QuantSpec::new(QFormat::I8, None)).unwrap_err();
         assert!(e.message.contains(&format!("row {}", r - 1)) && e.message.contains("col 3"), "{e}");
     }
 
     #[test]
     fn zero_rows_quantize_to_zero() {
         let x = vec![0.0; 64];
-        let q = quantize("z", 1, 64, &x, QuantSpec { format: QFormat::I4, group: Some(32) }).unwrap();
+        let q = quantize("z", 1, 64, &x, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
         assert!(q.dequantize().iter().all(|&v| v == 0.0));
     }
 }

@@ -123,7 +123,7 @@ pub fn quant(args: &ModelArgs) -> Result<Option<QuantSpec>> {
         return Ok(None);
     };
     let format = QFormat::parse(f).map_err(|e| anyhow::anyhow!("--quant: {e}"))?;
-    Ok(Some(QuantSpec { format, group: args.quant_group }))
+    Ok(Some(QuantSpec::new(format, args.quant_group)))
 }
 
 /// A model ready to run, with what surrounds it.

@@ -102,7 +102,8 @@ impl PeakRss {
 /// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
 /// norms included), and a precision label, from the checkpoint as it will be served.
 pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Result<(f64, String)> {
-    let (_, w) = load::open_weights(path)?;
+    let (cfg, w) = load::open_weights(path)?;
+    let quant = quant.map(|s| s.for_layers(cfg.n_layers));
     let mut bytes = 0usize;
     let mut kinds: Vec<String> = vec![];
     let mut note = |k: String| {

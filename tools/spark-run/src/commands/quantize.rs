@@ -47,10 +47,10 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
             anyhow::ensure!(matches!(g, 32 | 64 | 128), "--group {g}: int4 groups are 32, 64 or 128");
         }
     }
-    let spec = QuantSpec { format, group: a.group };
     let cfg_path = src.join("config.json");
     let cfg_text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
     let cfg = ModelConfig::from_json_str(&cfg_text).with_context(|| cfg_path.display().to_string())?;
+    let spec = QuantSpec::new(format, a.group).for_layers(cfg.n_layers);
     let ckpt = Checkpoint::open(&src)?;
     let w = ModelWeights::from_checkpoint(&ckpt, &cfg).with_context(|| src.display().to_string())?;
     if let Some((name, _)) = w.named().iter().find(|(_, r)| matches!(r, NamedRef::W(Weight::Quant(_)))) {
