@@ -18,8 +18,9 @@
 //! in **asymmetric** int4 groups (32 columns by default; 64 or 128 on request), each with an f32
 //! scale and an f32 bias fitted by least squares to the group (`fit_i4_asym`: `x ≈ d * l + m`,
 //! `l` in 0..=15, stored as `scale = d`, `bias = m + 8 d`), except the token embedding / output
-//! head (`model.embedding.weight`, `lm_head.weight`), which is **int8 per output channel**.
-//! That is 6 bits per weight for the int4 matrices at group 32 (5 at 64, 4.5 at 128) and 8 for
+//! head (`model.embedding.weight`, `lm_head.weight`), which is **int8 per output channel**, and,
+//! given the layer count, `q_k_v_proj` and `down_proj` of llama.cpp's Q4_K_M "more bits" layers
+//! ([`more_bits_layer`]), also int8 per output channel. That is 6 bits per weight for the int4 matrices at group 32 (5 at 64, 4.5 at 128) and 8 for
 //! the head; the head gate `g_proj` stays as stored. Checkpoints written before this (symmetric
 //! int4 groups without bias, an int4 head) still load: the reader takes each tensor as stored.
 //! [`quantize_planned`] / [`quantize_tensor_planned`] quantize to any [`QPlan`] (symmetric int4

@@ -53,7 +53,8 @@ pub struct ModelArgs {
     #[arg(long)]
     pub dtype: Option<String>,
     /// Quantize a float checkpoint's matrices while loading: int8 (per output channel) or int4
-    /// (asymmetric groups, see --quant-group; the tied embedding/head stays int8). Linked-in
+    /// (asymmetric groups, see --quant-group; the tied embedding/head, and q_k_v_proj and
+    /// down_proj of about half the layers as in llama.cpp's Q4_K_M, stay int8). Linked-in
     /// backends only; `spark-run quantize` writes a quantized checkpoint instead.
     #[arg(long)]
     pub quant: Option<String>,

@@ -3,7 +3,8 @@
 //! Every matrix is quantized (the tied embedding / output head included: left in bf16 it would
 //! cost more per decode step than the whole 4-bit saving) except the tiny head gate `g_proj`,
 //! which stays in its stored precision; norms stay as stored. With `--to int4` the matrices get
-//! asymmetric int4 groups (scale and bias) and the embedding / output head int8 per channel
+//! asymmetric int4 groups (scale and bias), and the embedding / output head and the Q4_K_M-style
+//! int8 matrices (`q_k_v_proj`, `down_proj` of half the layers) int8 per channel
 //! (`QuantSpec::plan`). The output directory gets
 //! `model.safetensors` in the format of `spark_core::quant`, a `config.json` with
 //! `quantization_config`, and the source's tokenizer, template and other side files.
@@ -24,7 +25,8 @@ pub struct QuantizeArgs {
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
     /// int8 (symmetric, per output channel unless --group) or int4 (asymmetric groups with a
-    /// scale and a bias each; the embedding / output head in int8 per channel).
+    /// scale and a bias each; the embedding / output head, and q_k_v_proj and down_proj of
+    /// llama.cpp's Q4_K_M "more bits" layers, in int8 per channel).
     #[arg(long)]
     pub to: String,
     /// Columns per scale: 32, 64 or 128 for int4 (default 32); int8 default is the whole row.
