@@ -121,3 +121,52 @@ fn bf16_rows_convert_exactly() {
         }
     }
 }
+
+/// AMX writes its f32 sums rounded to bf16 to nearest, ties to even, NaN kept: sums exact in f32
+/// in any order (two bf16 terms), placed above, at and below half a bf16 ulp of 1, in every row
+/// of a 16-row block and in a row tail, at 1 and 17 tokens.
+#[test]
+fn amx_rounds_outputs_to_nearest_even_bf16() {
+    use spark_backend_cpu::kernels::amx;
+    if !amx::available() {
+        eprintln!("skipped: this CPU has no AMX");
+        return;
+    }
+    let bf = |v: f32| half::bf16::from_f32(v).to_bits();
+    let k = 32;
+    // 1 + a: a = 0.75, 0.5 and 0.25 ulp (ulp of 1 in bf16: 2^-7), and 1.5 ulp + 0.5 ulp (a tie
+    // that rounds up to the even 1 + 2 ulp); a NaN row.
+    let ulp = 2f32.powi(-7);
+    let cases = [(0.75 * ulp, 1.0 + ulp), (0.5 * ulp, 1.0), (0.25 * ulp, 1.0), (1.5 * ulp, 1.0 + 2.0 * ulp)];
+    let m = 19;
+    let mut w = vec![0u16; m * k];
+    let mut want = vec![0.0f32; m];
+    for r in 0..m {
+        let (a, v) = cases[r % cases.len()];
+        w[r * k] = bf(1.0);
+        w[r * k + 1] = bf(a);
+        want[r] = v;
+    }
+    w[7 * k + 1] = bf(f32::NAN);
+    want[7] = f32::NAN;
+    for n in [1usize, 17] {
+        let mut x = vec![0.0f32; n * k];
+        for t in 0..n {
+            x[t * k] = 1.0;
+            x[t * k + 1] = 1.0;
+        }
+        let mut out = vec![0.0f32; n * m];
+        // SAFETY: amx::available() returned true; k is a multiple of 32.
+        unsafe { amx::matmul(&x, n, k, amx::Weights::Bf16(&w), m, &mut out, DType::BF16) };
+        for t in 0..n {
+            for r in 0..m {
+                let got = out[t * m + r];
+                if want[r].is_nan() {
+                    assert!(got.is_nan(), "n={n} [{t},{r}]: {got}");
+                } else {
+                    assert_eq!(got, want[r], "n={n} [{t},{r}]");
+                }
+            }
+        }
+    }
+}
