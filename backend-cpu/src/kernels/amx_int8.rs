@@ -1,5 +1,6 @@
 //! AMX INT8 tiles (x86-64 Sapphire Rapids and later) for quantized weights: `out = x W^T` with
-//! `W` a [`QMat`] of format int8 (symmetric) or int4 with one scale per row or per 32-block, and
+//! `W` a [`QMat`] of format int8 (symmetric) or int4 with one scale per row or per group of a
+//! multiple of 32 columns, and
 //! `x` quantized per 32-block ([`QAct`]), for decode-sized batches (up to [`MAX_TOKENS`] tokens).
 //!
 //! Precision: the same as the VNNI kernel ([`super::qmatmul`]): each 32-block's integer dot is
@@ -77,12 +78,12 @@ pub fn available() -> bool {
 }
 
 /// Whether [`matmul`] takes this weight and token count: int8 without biases (symmetric: ours
-/// and Q8_0) or int4 (biases or not), with per-row or per-32-block ([`ScaleMode::Pair`]) scales,
-/// at least one full 16-row block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
+/// and Q8_0) or int4 (biases or not), with per-row scales or groups of a multiple of 32 columns
+/// (not [`ScaleMode::Half`]: a 16-column group splits a C column), at least one full 16-row block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
 pub fn takes(w: &QMat, n: usize) -> bool {
     let min = if w.format == QFormat::I4 { INT4_MIN_TOKENS } else { 1 };
     (w.format == QFormat::I4 || w.bias().is_none())
-        && matches!(w.mode, ScaleMode::Row | ScaleMode::Pair)
+        && w.mode != ScaleMode::Half
         && w.rows >= 16
         && (min..=MAX_TOKENS).contains(&n)
 }
@@ -358,7 +359,9 @@ unsafe fn block16(
     let mut abuf = ATile([0; TILE]);
     // Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
     let mask = super::qavx512::I4_MASK.v;
-    let pair = w.mode == ScaleMode::Pair;
+    // Per-group scales (every mode but Row): `gb` 32-blocks per group.
+    let grouped = w.mode != ScaleMode::Row;
+    let gb = w.group / QBLOCK;
     let (scales, ng) = (w.scales(), w.ng);
     let bias = w.bias();
     // The next block's scales and biases (separate arrays) stream in over this block's steps.
@@ -367,12 +370,6 @@ unsafe fn block16(
         _ => Prefetcher::none(),
     };
     let (ps, pb) = (side(Some(scales)), side(bias));
-    // Column c of a period reads weight block `2 s0 + c % 2g` (Pair scales).
-    let mut idx = [0i32; 16];
-    for (c, v) in idx.iter_mut().enumerate() {
-        *v = (c % (2 * g)) as i32;
-    }
-    let idx = _mm512_loadu_si512(idx.as_ptr().cast());
     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
     for p in 0..plan.periods {
         let s0 = p * g;
@@ -408,14 +405,23 @@ unsafe fn block16(
                 product(j, b.add(((j0 + j) * ksteps + s) * TILE), i4);
             }
         }
-        // Per-row weight scales of this period's 16 columns (Pair), zero past the row's blocks.
+        // Per-row weight scales of this period's 16 columns: column c reads block
+        // `b = 2 s0 + c % 2g`, of group `b / gb`; the period's groups `first..` are loaded (zero
+        // past the row's last group: padding blocks, whose weights are zero) and spread.
         let mut sv = [_mm512_setzero_ps(); 16];
-        if pair {
-            let valid = (2 * g).min(ng - 2 * s0);
+        if grouped {
+            let first = 2 * s0 / gb;
+            let last = (2 * s0 + 2 * g - 1) / gb;
+            let valid = (last + 1 - first).min(ng - first);
             let m: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
+            let mut idx = [0i32; 16];
+            for (c, v) in idx.iter_mut().enumerate() {
+                *v = ((2 * s0 + c % (2 * g)) / gb - first) as i32;
+            }
+            let idx = _mm512_loadu_si512(idx.as_ptr().cast());
             for (i, v) in sv.iter_mut().enumerate() {
-                let loaded = _mm512_maskz_loadu_ps(m, scales[(rb + i) * ng + 2 * s0..].as_ptr());
-                *v = if g == 8 { loaded } else { _mm512_permutexvar_ps(idx, loaded) };
+                let loaded = _mm512_maskz_loadu_ps(m, scales[(rb + i) * ng + first..].as_ptr());
+                *v = _mm512_permutexvar_ps(idx, loaded);
             }
         }
         for (j, accj) in acc.iter_mut().enumerate().take(groups) {
@@ -425,7 +431,7 @@ unsafe fn block16(
             let z = if i4 { _mm512_loadu_si512(packed.zv[at..].as_ptr().cast()) } else { _mm512_setzero_si512() };
             for (i, acci) in accj.iter_mut().enumerate() {
                 let ci = _mm512_sub_epi32(_mm512_loadu_si512(cbuf[i].as_ptr().cast()), z);
-                let scale = if pair { _mm512_mul_ps(d, sv[i]) } else { d };
+                let scale = if grouped { _mm512_mul_ps(d, sv[i]) } else { d };
                 *acci = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), scale, *acci);
             }
         }
@@ -437,7 +443,7 @@ unsafe fn block16(
         let cols = lanes << (tl * 2 * g);
         for (i, o) in out.iter_mut().enumerate() {
             let v = _mm512_mask_reduce_add_ps(cols, acc[j][i]);
-            *o = if pair { v } else { v * scales[rb + i] };
+            *o = if grouped { v } else { v * scales[rb + i] };
             if let Some(bias) = bias {
                 *o += dot(&bias[(rb + i) * ng..][..ng], act.a_row(j0 * plan.p + t));
             }

@@ -12,10 +12,10 @@
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: where the float level
 //! is AMX and the processor has AMX-INT8, AMX INT8 tiles for symmetric int8 weights at 1 to 64
-//! tokens and int4 at 3 to 64 (per-row or per-32 scales, [`amx_int8`]) and VNNI for the rest;
-//! else AVX-512 VNNI (with AVX-512BW) when present, else AVX2, else portable. `SPARK_CPU_SIMD=amx-bf16` caps it at VNNI (keeping AMX
-//! BF16), `=avx512` below VNNI (AVX-512 without VNNI runs the AVX2 integer kernels), `=avx2` and
-//! `=portable` as above.
+//! tokens and int4 at 3 to 64 (per-row scales or groups of a multiple of 32, [`amx_int8`]) and
+//! VNNI for the rest; else AVX-512 VNNI (with AVX-512BW) when present, else AVX2, else portable.
+//! `SPARK_CPU_SIMD=amx-bf16` caps it at VNNI (keeping AMX BF16), `=avx512` below VNNI (AVX-512
+//! without VNNI runs the AVX2 integer kernels), `=avx2` and `=portable` as above.
 
 pub mod amx;
 pub mod amx_int8;
