@@ -160,20 +160,9 @@ impl Backend for CpuBackend {
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
         check(x.cols == w.cols && out.rows == x.rows && out.cols == w.rows, "matmul")?;
         if let Some(q) = w.quant() {
-            let qs = self.simd.qsimd();
-            #[cfg(target_arch = "x86_64")]
-            if x.rows >= kernels::matmul::AMX_QUANT_MIN_TOKENS
-                && kernels::amx::eligible(self.simd, round, x.cols)
-                && !(qs == kernels::QSimd::AmxInt8 && kernels::amx_int8::takes(q, x.rows))
-            {
-                let wq = kernels::amx::Weights::Quant(q);
-                // SAFETY: eligible() checked amx::available() and supports(k).
-                self.pool.install(|| unsafe {
-                    kernels::amx::matmul(&x.data, x.rows, x.cols, wq, w.rows, &mut out.data, round)
-                });
-                return Ok(());
-            }
-            self.pool.install(|| kernels::qmatmul::qmatmul(qs, &x.data, x.rows, x.cols, q, &mut out.data, round));
+            let simd = self.simd;
+            self.pool
+                .install(|| kernels::qmatmul::quant_matmul(simd, &x.data, x.rows, x.cols, q, &mut out.data, round));
             return Ok(());
         }
         self.pool.install(|| {

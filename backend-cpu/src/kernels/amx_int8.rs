@@ -1,7 +1,7 @@
 //! AMX INT8 tiles (x86-64 Sapphire Rapids and later) for quantized weights: `out = x W^T` with
 //! `W` a [`QMat`] of format int8 (symmetric) or int4 with one scale per row or per group of a
-//! multiple of 32 columns, and
-//! `x` quantized per 32-block ([`QAct`]), for decode-sized batches (up to [`MAX_TOKENS`] tokens).
+//! multiple of 32 columns, and `x` quantized per 32-block ([`QAct`]), for decode-sized batches
+//! (up to [`MAX_TOKENS`] tokens).
 //!
 //! Precision: the same as the VNNI kernel ([`super::qmatmul`]): each 32-block's integer dot is
 //! exact (`tdpbssd` on signed int8 weights, `tdpbusd` on int4 nibbles with the zero point
@@ -79,7 +79,8 @@ pub fn available() -> bool {
 
 /// Whether [`matmul`] takes this weight and token count: int8 without biases (symmetric: ours
 /// and Q8_0) or int4 (biases or not), with per-row scales or groups of a multiple of 32 columns
-/// (not [`ScaleMode::Half`]: a 16-column group splits a C column), at least one full 16-row block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
+/// (not [`ScaleMode::Half`]: a 16-column group splits a C column), at least one full 16-row
+/// block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
 pub fn takes(w: &QMat, n: usize) -> bool {
     let min = if w.format == QFormat::I4 { INT4_MIN_TOKENS } else { 1 };
     (w.format == QFormat::I4 || w.bias().is_none())
@@ -126,12 +127,41 @@ struct Packed {
     /// int4: `zero * sum(block's int8 activations)` (zero 8 for the low nibbles, 128 for the
     /// high nibbles kept in place), subtracted from C in integers (exact).
     zv: Vec<i32>,
+    /// Per period, with per-group weight scales: which of a row's groups its columns read.
+    spread: Vec<Spread>,
+}
+
+/// A period's columns and the weight groups they read: column `c` reads block
+/// `b = 2 s0 + c % 2g` (`s0` the period's first step), of group `b / (group / 32)`. The period
+/// loads groups `first..` (`mask`: those that exist; past the row's last group sit padding
+/// blocks, whose weights are zero) and spreads them with `idx[c]` = the column's group - `first`.
+#[derive(Clone, Copy)]
+struct Spread {
+    first: usize,
+    mask: __mmask16,
+    idx: [i32; 16],
 }
 
 type GroupBufs<'a> = (usize, ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]));
 
 impl Packed {
-    fn fill(&mut self, act: &QAct, plan: &Plan, i4: bool) {
+    fn fill(&mut self, act: &QAct, plan: &Plan, w: &QMat) {
+        let i4 = w.format == QFormat::I4;
+        self.spread.clear();
+        if w.mode != ScaleMode::Row {
+            let gb = w.group / QBLOCK;
+            self.spread.extend((0..plan.periods).map(|p| {
+                let s0 = p * plan.g;
+                let first = 2 * s0 / gb;
+                let last = (2 * s0 + 2 * plan.g - 1) / gb;
+                let valid = (last + 1 - first).min(w.ng - first);
+                let mut idx = [0i32; 16];
+                for (c, v) in idx.iter_mut().enumerate() {
+                    *v = ((2 * s0 + c % (2 * plan.g)) / gb - first) as i32;
+                }
+                Spread { first, mask: ((1u32 << valid) - 1) as __mmask16, idx }
+            }));
+        }
         self.b.clear();
         self.b.resize(plan.groups * plan.ksteps * TILE, 0);
         self.dv.clear();
@@ -142,6 +172,8 @@ impl Packed {
             for tl in 0..plan.p.min(plan.n - j * plan.p) {
                 let t = j * plan.p + tl;
                 let (q, d) = (act.q_row(t), act.d_row(t));
+                // The 4-column sums the VNNI kernels use; a block is 8 of them.
+                let s4 = &act.s4[t * act.kp / 4..][..act.kp / 4];
                 for (s, tile) in b.chunks_exact_mut(TILE).enumerate() {
                     for r in 0..16 {
                         let c = plan.col(tl, s, r / 8);
@@ -152,7 +184,7 @@ impl Packed {
                         dv[at] = d[2 * s + h];
                         if i4 {
                             // The high nibbles are in place (x16): scale 1/16 (a power of two).
-                            let sum: i32 = q[QBLOCK * (2 * s + h)..][..QBLOCK].iter().map(|&v| v as i32).sum();
+                            let sum: i32 = s4[8 * (2 * s + h)..][..8].iter().sum();
                             dv[at] *= if h == 0 { 1.0 } else { 1.0 / 16.0 };
                             zv[at] = if h == 0 { 8 * sum } else { 128 * sum };
                         }
@@ -187,7 +219,6 @@ pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
     assert_eq!(act.kp, w.kp, "amx int8 matmul: activations quantized for another weight");
     assert!(takes(w, n), "amx int8 matmul: unsupported weight or token count");
     let plan = Plan::new(n, w.kp);
-    let i4 = w.format == QFormat::I4;
     let outp = SharedOut(out.as_mut_ptr());
     let run = |packed: &Packed| {
         let threads = rayon::current_num_threads().max(1);
@@ -239,13 +270,13 @@ pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
     };
     PACKED.with(|cell| match cell.try_borrow_mut() {
         Ok(mut packed) => {
-            packed.fill(act, &plan, i4);
+            packed.fill(act, &plan, w);
             run(&packed);
         }
         // Re-entered on this thread (a nested call): a buffer of its own.
         Err(_) => {
             let mut packed = Packed::default();
-            packed.fill(act, &plan, i4);
+            packed.fill(act, &plan, w);
             run(&packed);
         }
     });
@@ -359,9 +390,8 @@ unsafe fn block16(
     let mut abuf = ATile([0; TILE]);
     // Low nibbles in bytes 0-31, high nibbles (in place) in bytes 32-63.
     let mask = super::qavx512::I4_MASK.v;
-    // Per-group scales (every mode but Row): `gb` 32-blocks per group.
+    // Per-group scales: every mode but Row (the spread of each period is in `packed`).
     let grouped = w.mode != ScaleMode::Row;
-    let gb = w.group / QBLOCK;
     let (scales, ng) = (w.scales(), w.ng);
     let bias = w.bias();
     // The next block's scales and biases (separate arrays) stream in over this block's steps.
@@ -405,22 +435,13 @@ unsafe fn block16(
                 product(j, b.add(((j0 + j) * ksteps + s) * TILE), i4);
             }
         }
-        // Per-row weight scales of this period's 16 columns: column c reads block
-        // `b = 2 s0 + c % 2g`, of group `b / gb`; the period's groups `first..` are loaded (zero
-        // past the row's last group: padding blocks, whose weights are zero) and spread.
+        // Per-row weight scales of this period's 16 columns ([`Spread`]).
         let mut sv = [_mm512_setzero_ps(); 16];
         if grouped {
-            let first = 2 * s0 / gb;
-            let last = (2 * s0 + 2 * g - 1) / gb;
-            let valid = (last + 1 - first).min(ng - first);
-            let m: __mmask16 = ((1u32 << valid) - 1) as __mmask16;
-            let mut idx = [0i32; 16];
-            for (c, v) in idx.iter_mut().enumerate() {
-                *v = ((2 * s0 + c % (2 * g)) / gb - first) as i32;
-            }
-            let idx = _mm512_loadu_si512(idx.as_ptr().cast());
+            let sp = &packed.spread[p];
+            let idx = _mm512_loadu_si512(sp.idx.as_ptr().cast());
             for (i, v) in sv.iter_mut().enumerate() {
-                let loaded = _mm512_maskz_loadu_ps(m, scales[(rb + i) * ng + first..].as_ptr());
+                let loaded = _mm512_maskz_loadu_ps(sp.mask, scales[(rb + i) * ng + sp.first..].as_ptr());
                 *v = _mm512_permutexvar_ps(idx, loaded);
             }
         }

@@ -59,8 +59,9 @@ pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
 /// threads). Products of bf16 values are exact in f32 on both paths; the sums differ in order,
 /// and the tiles read bf16 inputs below 2^-126 as zero.
 pub const AMX_MIN_TOKENS: usize = 1;
-/// From this many tokens, int8/int4 matmuls with bf16 activations run on AMX tiles (weights
-/// dequantized to bf16 as they are packed) instead of the W8A8 / W4A8 integer kernels.
+/// From this many tokens, int8/int4 matmuls with bf16 activations that AMX INT8 does not take
+/// run on AMX BF16 tiles (weights dequantized to bf16 as they are packed) instead of the
+/// W8A8 / W4A8 integer kernels ([`super::qmatmul::quant_matmul`] decides).
 pub const AMX_QUANT_MIN_TOKENS: usize = 32;
 /// Below this many tokens, matmuls run as a multi-token GEMV (no panel packing).
 const SMALL_BATCH: usize = 16;

@@ -501,6 +501,24 @@ impl TileArgs<'_> {
     }
 }
 
+/// The one place a quantized matmul at float level `simd` picks its kernel: AMX INT8 tiles
+/// where they take the shape ([`super::amx_int8::takes`]); else, from
+/// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
+/// dequantized tiles ([`super::amx`]); else the integer kernels of `simd`'s level ([`qmatmul`]).
+pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
+    let qs = simd.qsimd().min(QSimd::detect());
+    #[cfg(target_arch = "x86_64")]
+    if !(qs == QSimd::AmxInt8 && super::amx_int8::takes(w, n))
+        && n >= super::matmul::AMX_QUANT_MIN_TOKENS
+        && super::amx::eligible(simd, round, k)
+    {
+        // SAFETY: eligible() checked amx::available() and supports(k).
+        unsafe { super::amx::matmul(x, n, k, super::amx::Weights::Quant(w), w.rows, out, round) };
+        return;
+    }
+    qmatmul(qs, x, n, k, w, out, round);
+}
+
 /// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` with `x` quantized per 32-block.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
