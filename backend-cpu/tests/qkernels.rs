@@ -30,13 +30,25 @@ fn unit(seed: &mut u64) -> f32 {
 }
 
 /// A random quantized matrix: every byte value (int8 -128..=127, both nibbles), scales of both
-/// signs (GGUF K-quants have signed sub-scales) and some zero, optional biases.
-fn random_q(rows: usize, cols: usize, format: QFormat, group: usize, bias: bool, seed: &mut u64) -> QTensor {
+/// signs (GGUF K-quants have signed sub-scales) and some zero, optional biases; with `half`,
+/// scales and biases rounded to f16 values (which the kernels then hold as f16: what
+/// `spark-run quantize` and GGUF Q8_0 / Q4_0 give), else f32 values that are not f16 ones.
+#[allow(clippy::too_many_arguments)]
+fn random_q(
+    rows: usize,
+    cols: usize,
+    format: QFormat,
+    group: usize,
+    bias: bool,
+    half: bool,
+    seed: &mut u64,
+) -> QTensor {
     let q: Vec<u8> = (0..rows * format.row_bytes(cols)).map(|_| lcg(seed) as u8).collect();
     let ng = rows * cols / group;
+    let side = |v: f32| if half { half::f16::from_f32(v).to_f32() } else { v };
     let scales: Vec<f32> =
-        (0..ng).map(|i| if i % 11 == 5 { 0.0 } else { unit(seed) * 0.02 * (1.0 + (i % 3) as f32) }).collect();
-    let bias = bias.then(|| Arc::new((0..ng).map(|_| unit(seed) * 0.05).collect::<Vec<f32>>()));
+        (0..ng).map(|i| if i % 11 == 5 { 0.0 } else { side(unit(seed) * 0.02 * (1.0 + (i % 3) as f32)) }).collect();
+    let bias = bias.then(|| Arc::new((0..ng).map(|_| side(unit(seed) * 0.05)).collect::<Vec<f32>>()));
     let t = QTensor {
         name: "w".into(),
         format,
@@ -60,21 +72,26 @@ fn random_x(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
     x
 }
 
-/// Every (format, group, bias) the loaders produce, plus half-block groups (48, int4 16).
-fn combos(cols: usize) -> Vec<(QFormat, usize, bool, &'static str)> {
+/// Every (format, group, bias, f16 sides) the loaders produce, plus half-block groups (48,
+/// int4 16).
+fn combos(cols: usize) -> Vec<(QFormat, usize, bool, bool, &'static str)> {
     let all = [
-        (QFormat::I8, cols, false, "int8 per-row"),
-        (QFormat::I8, 32, false, "int8 g32 (Q8_0)"),
-        (QFormat::I8, 16, false, "int8 g16 (Q6_K)"),
-        (QFormat::I8, 32, true, "int8 g32+bias (Q5_K)"),
-        (QFormat::I8, 48, false, "int8 g48"),
-        (QFormat::I4, 32, false, "int4 g32 (Q4_0)"),
-        (QFormat::I4, 64, false, "int4 g64"),
-        (QFormat::I4, 128, false, "int4 g128"),
-        (QFormat::I4, 32, true, "int4 g32+bias (Q4_K)"),
-        (QFormat::I4, 16, false, "int4 g16"),
+        (QFormat::I8, cols, false, false, "int8 per-row"),
+        (QFormat::I8, 32, false, false, "int8 g32 f32"),
+        (QFormat::I8, 32, false, true, "int8 g32 f16 (Q8_0)"),
+        (QFormat::I8, 16, false, false, "int8 g16 (Q6_K)"),
+        (QFormat::I8, 32, true, false, "int8 g32+bias (Q5_K)"),
+        (QFormat::I8, 48, false, true, "int8 g48 f16"),
+        (QFormat::I4, 32, false, true, "int4 g32 f16 (Q4_0)"),
+        (QFormat::I4, 64, false, false, "int4 g64"),
+        (QFormat::I4, 64, true, true, "int4 g64+bias f16"),
+        (QFormat::I4, 128, false, false, "int4 g128"),
+        (QFormat::I4, 32, true, false, "int4 g32+bias f32 (Q4_K)"),
+        (QFormat::I4, 32, true, true, "int4 g32+bias f16 (ours)"),
+        (QFormat::I4, 16, false, false, "int4 g16"),
+        (QFormat::I4, 16, true, true, "int4 g16+bias f16"),
     ];
-    all.into_iter().filter(|&(_, g, _, _)| cols.is_multiple_of(g)).collect()
+    all.into_iter().filter(|&(_, g, _, _, _)| cols.is_multiple_of(g)).collect()
 }
 
 /// The integer levels this CPU has (the others are skipped, said once per test binary).
@@ -95,12 +112,13 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
     let pools: Vec<_> =
         [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
     let mut modes = std::collections::BTreeSet::new();
-    for &(cols, rows) in &[(32, 37), (96, 37), (128, 21), (160, 37), (2080, 19), (2176, 7)] {
-        for (format, group, bias, what) in combos(cols) {
-            let qt = random_q(rows, cols, format, group, bias, &mut seed);
+    for &(cols, rows) in &[(32, 37), (96, 37), (128, 21), (160, 37), (256, 301), (2080, 19), (2176, 7), (8448, 5)] {
+        for (format, group, bias, half, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
             let w = QMat::from_qtensor(&qt);
-            modes.insert(format!("{:?}", w.mode));
+            assert_eq!(w.half_sides(), half && group < cols, "{what}: f16 sides");
+            modes.insert(format!("{:?}{}", w.mode, if w.half_sides() { " f16" } else { "" }));
             for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
                 let x = random_x(n, cols, &mut seed);
                 let act = QAct::quantize(&x, n, cols, &w);
@@ -137,8 +155,9 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
             }
         }
     }
-    // Every scale layout the kernels specialize on ran (group 32 comes as Pair and as Block).
-    for mode in ["Row", "Chunk", "Block", "Pair", "Half"] {
+    // Every scale layout the kernels specialize on ran (group 32 comes as Pair and as Block),
+    // with f32 and (but per-row) f16 scales.
+    for mode in ["Row", "Chunk", "Block", "Pair", "Half", "Chunk f16", "Block f16", "Pair f16", "Half f16"] {
         assert!(modes.contains(mode), "no shape exercised ScaleMode::{mode} (saw {modes:?})");
     }
 }
@@ -149,8 +168,8 @@ fn integer_kernels_are_within_the_activation_quantization_bound_of_float() {
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     let (mut worst_ratio, mut worst_rel, mut worst_stat) = (0.0f64, 0.0f64, 0.0f64);
     for &(cols, rows) in &[(96, 37), (160, 37), (2080, 19)] {
-        for (format, group, bias, what) in combos(cols) {
-            let qt = random_q(rows, cols, format, group, bias, &mut seed);
+        for (format, group, bias, half, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
             let w = QMat::from_qtensor(&qt);
             for &n in &[1usize, 5, 17] {
@@ -222,8 +241,8 @@ fn backend_repacks_quantized_weights_and_embeds_them() {
             continue;
         }
         let b = CpuBackend::with_simd(Some(2), simd).unwrap();
-        for (format, group, bias, what) in combos(cols) {
-            let qt = random_q(rows, cols, format, group, bias, &mut seed);
+        for (format, group, bias, half, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let w = b.upload_quant(&qt, WeightRole::Embedding, DType::F32).unwrap();
             assert_eq!(w.quant_format(), Some((format, group)), "{what}: not repacked for the integer kernels");
             // Embedding rows are the exact dequantized rows.
@@ -251,7 +270,7 @@ fn backend_repacks_quantized_weights_and_embeds_them() {
     }
     // Groups that are not multiples of 16 are dequantized to a float weight.
     let b = CpuBackend::new(Some(1)).unwrap();
-    let qt = random_q(5, 100, QFormat::I8, 10, false, &mut seed);
+    let qt = random_q(5, 100, QFormat::I8, 10, false, false, &mut seed);
     let w = b.upload_quant(&qt, WeightRole::Matrix, DType::F32).unwrap();
     assert_eq!(w.quant_format(), None);
     let x = CpuTensor { rows: 1, cols: 100, data: random_x(1, 100, &mut seed) };
@@ -268,7 +287,7 @@ fn backend_repacks_quantized_weights_and_embeds_them() {
 fn non_finite_activations_give_nan_outputs() {
     let mut seed = 9u64;
     let (rows, cols, n) = (29, 2080, 4);
-    let qt = random_q(rows, cols, QFormat::I8, cols, false, &mut seed);
+    let qt = random_q(rows, cols, QFormat::I8, cols, false, false, &mut seed);
     let w = QMat::from_qtensor(&qt);
     let mut x = random_x(n, cols, &mut seed);
     x[cols + 5] = f32::NAN;
@@ -324,9 +343,16 @@ fn bench_kernels() {
             };
             let s = time(&mut || matmul(Simd::detect(), &x, n, k, Mat::BF16(&bf), m, &mut out, DType::F32));
             eprintln!("m={m} k={k} n={n}: bf16 float {:.2} ms ({:.1} GB/s)", s * 1e3, (m * k * 2) as f64 / s * 1e-9);
-            for (format, group) in [(QFormat::I8, k), (QFormat::I8, 32), (QFormat::I4, 32), (QFormat::I4, 64)] {
-                let qt = random_q(m, k, format, group, false, &mut seed);
+            for (format, group, bias, half) in [
+                (QFormat::I8, k, false, false),
+                (QFormat::I8, 32, false, true),
+                (QFormat::I4, 32, true, false),
+                (QFormat::I4, 32, true, true),
+                (QFormat::I4, 64, false, false),
+            ] {
+                let qt = random_q(m, k, format, group, bias, half, &mut seed);
                 let w = QMat::from_qtensor(&qt);
+                let group = format!("{group}{}{}", if bias { "+bias" } else { "" }, if half { " f16" } else { "" });
                 for qs in levels() {
                     if qs == QSimd::Portable {
                         continue;
@@ -362,7 +388,7 @@ fn bench_kernels() {
 #[test]
 fn activation_quantization_is_identical_on_every_path() {
     let mut seed = 21u64;
-    let qt = random_q(3, 2080, QFormat::I8, 16, false, &mut seed);
+    let qt = random_q(3, 2080, QFormat::I8, 16, false, false, &mut seed);
     let w = QMat::from_qtensor(&qt);
     let mut x = random_x(9, 2080, &mut seed);
     // Exact ties after scaling, tiny values, a zero block, a non-finite block.
@@ -403,17 +429,18 @@ fn amx_dequantized_tiles_match_reference() {
     let mut seed = 99u64;
     let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
     let be = CpuBackend::with_simd(Some(2), Simd::Amx).unwrap();
-    for &(format, group, bias) in &[
-        (QFormat::I8, 0usize, false),
-        (QFormat::I8, 32, false),
-        (QFormat::I4, 32, true),
-        (QFormat::I4, 64, false),
-        (QFormat::I4, 128, true),
-        (QFormat::I4, 16, true),
+    for &(format, group, bias, half) in &[
+        (QFormat::I8, 0usize, false, false),
+        (QFormat::I8, 32, false, true),
+        (QFormat::I4, 32, true, false),
+        (QFormat::I4, 32, true, true),
+        (QFormat::I4, 64, false, false),
+        (QFormat::I4, 128, true, true),
+        (QFormat::I4, 16, true, false),
     ] {
         for &(n, k, m) in &[(66usize, 128usize, 33usize), (80, 640, 70), (97, 1152, 17)] {
             let g = if group == 0 { k } else { group };
-            let q = random_q(m, k, format, g, bias, &mut seed);
+            let q = random_q(m, k, format, g, bias, half, &mut seed);
             let deq = q.dequantize();
             let qm = QMat::from_qtensor(&q);
             for r in [0, m / 2, m - 1] {

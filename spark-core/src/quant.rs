@@ -15,13 +15,16 @@
 //!   (whose per-group minimum becomes `bias`) convert to it losslessly.
 //!
 //! What `--to int4` / `--quant int4` writes ([`QuantSpec::plan`], by tensor name): every matrix
-//! in **asymmetric** int4 groups (32 columns by default; 64 or 128 on request), each with an f32
-//! scale and an f32 bias fitted by least squares to the group (`fit_i4_asym`: `x ≈ d * l + m`,
+//! in **asymmetric** int4 groups (32 columns by default; 64 or 128 on request), each with a
+//! scale and a bias fitted by least squares to the group (`fit_i4_asym`: `x ≈ d * l + m`,
 //! `l` in 0..=15, stored as `scale = d`, `bias = m + 8 d`), except the token embedding / output
 //! head (`model.embedding.weight`, `lm_head.weight`), which is **int8 per output channel**, and,
 //! given the layer count, `q_k_v_proj` and `down_proj` of llama.cpp's Q4_K_M "more bits" layers
-//! ([`more_bits_layer`]), also int8 per output channel. That is 6 bits per weight for the int4 matrices at group 32 (5 at 64, 4.5 at 128) and 8 for
-//! the head; the head gate `g_proj` stays as stored. Checkpoints written before this (symmetric
+//! ([`more_bits_layer`]), also int8 per output channel. Scales and biases of groups shorter than
+//! the row are rounded to f16 values before the integers are chosen ([`QPlan::half_sides`]), so
+//! they are stored, and read by the kernels, in half the bytes: 5 bits per weight for the int4
+//! matrices at group 32 (4.5 at 64, 4.25 at 128) and 8 for the head (per-row scales stay f32);
+//! the head gate `g_proj` stays as stored. Checkpoints written before this (symmetric
 //! int4 groups without bias, an int4 head) still load: the reader takes each tensor as stored.
 //! [`quantize_planned`] / [`quantize_tensor_planned`] quantize to any [`QPlan`] (symmetric int4
 //! included: values -8..=7 times a searched scale, no bias).
@@ -30,9 +33,10 @@
 //! every kernel is tested against.
 //!
 //! On disk (safetensors written by `spark-run quantize`): the weight keeps its name and holds `q`
-//! (I8 `[rows, cols]`, or U8 `[rows, cols/2]` for int4), `NAME_scale` holds the f32 scales
+//! (I8 `[rows, cols]`, or U8 `[rows, cols/2]` for int4), `NAME_scale` holds the scales
 //! `[rows, cols/group]` (so the group size is `cols / scale_cols`) and `NAME_bias`, if present,
-//! the f32 biases of the same shape; `config.json` carries
+//! the biases of the same shape, both F16 where [`QTensor::half_sides`] (F32 otherwise; the
+//! reader takes either, and checkpoints written with f32 group scales still load); `config.json` carries
 //! `"quantization_config": {"quant_method": "spark", "format": "int8"|"int4", "group_size": G, ...}`
 //! (for int4 also `"symmetric": false` and `"modules_in_int8"`, the tensors kept in int8).
 
@@ -256,9 +260,19 @@ impl QTensor {
         Tensor::from_f32(&self.name, vec![self.rows, self.cols], dtype, &self.dequantize())
     }
 
-    /// Bytes of values, scales and biases.
+    /// Whether the scales and biases are per group (not per row) and every one is exactly an
+    /// f16 value: then they are stored on disk, and read by the kernels, as f16 (what
+    /// [`quantize_planned`] writes for groups, and GGUF Q8_0 / Q4_0 give).
+    pub fn half_sides(&self) -> bool {
+        self.groups_per_row() > 1
+            && self.scales.iter().chain(self.bias.iter().flat_map(|b| b.iter())).all(|&v| is_f16_exact(v))
+    }
+
+    /// Bytes of values, scales and biases (the scales and biases in f16 when
+    /// [`QTensor::half_sides`]).
     pub fn nbytes(&self) -> usize {
-        self.q.as_slice().len() + 4 * self.scales.len() * (1 + usize::from(self.bias.is_some()))
+        let side = if self.half_sides() { 2 } else { 4 };
+        self.q.as_slice().len() + side * self.scales.len() * (1 + usize::from(self.bias.is_some()))
     }
 
     /// Bits per weight, scales included.
@@ -280,9 +294,16 @@ pub struct QPlan {
 }
 
 impl QPlan {
-    /// Bytes of a `[rows, cols]` matrix in this plan (values, f32 scales and biases).
+    /// Whether a matrix of `cols` columns in this plan has its scales and biases in f16: every
+    /// plan with groups shorter than the row ([`quantize_planned`] rounds them); per-row scales
+    /// stay f32 (one per row: nothing to save).
+    pub fn half_sides(&self, cols: usize) -> bool {
+        self.group < cols
+    }
+    /// Bytes of a `[rows, cols]` matrix in this plan (values, scales and biases).
     pub fn nbytes(&self, rows: usize, cols: usize) -> usize {
-        rows * self.format.row_bytes(cols) + 4 * rows * (cols / self.group) * (1 + usize::from(self.bias))
+        let side = if self.half_sides(cols) { 2 } else { 4 };
+        rows * self.format.row_bytes(cols) + side * rows * (cols / self.group) * (1 + usize::from(self.bias))
     }
     /// `int8-ch`, `int4-g64`, `int4-g32+bias`, ... (`ch`: one scale per row of `cols`).
     pub fn label(&self, cols: usize) -> String {
@@ -405,6 +426,7 @@ fn quantize_rows(
     let (group, format) = (plan.group, plan.format);
     let ng = cols / group;
     let rb = format.row_bytes(cols);
+    let half = plan.half_sides(cols);
     // Rows without a bias get an empty bias chunk each.
     let bias_chunks: Vec<&mut [f32]> = if plan.bias {
         bias.chunks_mut(ng.max(1)).collect()
@@ -419,13 +441,13 @@ fn quantize_rows(
             for (g, s_out) in srow.iter_mut().enumerate() {
                 let x = &row[g * group..(g + 1) * group];
                 *s_out = match format {
-                    QFormat::I8 => quantize_group_i8(x, &mut qs),
+                    QFormat::I8 => quantize_group_i8(x, &mut qs, half),
                     QFormat::I4 if plan.bias => {
-                        let (s, b) = quantize_group_i4_asym(x, &mut qs);
+                        let (s, b) = quantize_group_i4_asym(x, &mut qs, half);
                         brow[g] = b;
                         s
                     }
-                    QFormat::I4 => quantize_group_i4(x, &mut qs),
+                    QFormat::I4 => quantize_group_i4(x, &mut qs, half),
                 };
                 for (j, &v) in qs.iter().enumerate() {
                     let c = g * group + j;
@@ -493,13 +515,44 @@ fn rint(x: f32) -> f32 {
     (x + MAGIC) - MAGIC
 }
 
-fn quantize_group_i8(x: &[f32], q: &mut [i8]) -> f32 {
+/// Whether `v` is exactly a finite f16 value (so storing it as f16 loses nothing), from its
+/// bits: zero; or an exponent within f16's and no mantissa bits below its precision (10 bits for
+/// normal values, fewer for subnormal ones down to 2^-24).
+pub fn is_f16_exact(v: f32) -> bool {
+    if v == 0.0 {
+        return true;
+    }
+    let bits = v.to_bits();
+    let e = ((bits >> 23) & 0xFF) as i32 - 127;
+    let man = bits & 0x7F_FFFF;
+    if !(-24..=15).contains(&e) {
+        return false;
+    }
+    // Low f32 mantissa bits an f16 cannot hold: 13 for normal f16 values (e >= -14), one more
+    // per binade below.
+    let low = 13 + (-14 - e).max(0);
+    man & ((1u32 << low) - 1) == 0
+}
+
+/// `v` rounded to the nearest f16 value when `half` and that is finite; else `v` (a scale or
+/// bias beyond f16's range keeps its f32 value, and its tensor then keeps f32 sides).
+#[inline]
+fn side_value(v: f32, half: bool) -> f32 {
+    let h = half::f16::from_f32(v).to_f32();
+    if half && h.is_finite() {
+        h
+    } else {
+        v
+    }
+}
+
+fn quantize_group_i8(x: &[f32], q: &mut [i8], half: bool) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 {
+    let s = side_value(amax / 127.0, half);
+    if s == 0.0 {
         q.fill(0);
         return 0.0;
     }
-    let s = amax / 127.0;
     let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
         *o = rint(v * inv).clamp(-127.0, 127.0) as i8;
@@ -525,7 +578,7 @@ fn err_i4(x: &[f32], s: f32) -> f32 {
     it.remainder().iter().map(|&v| e(v)).sum::<f32>() + acc.iter().sum::<f32>()
 }
 
-fn quantize_group_i4(x: &[f32], q: &mut [i8]) -> f32 {
+fn quantize_group_i4(x: &[f32], q: &mut [i8], half: bool) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         q.fill(0);
@@ -558,7 +611,11 @@ fn quantize_group_i4(x: &[f32], q: &mut [i8]) -> f32 {
             }
         }
     }
-    let s = best.1;
+    let s = side_value(best.1, half);
+    if s == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
     let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
         *o = rint(v * inv).clamp(-8.0, 7.0) as i8;
@@ -665,18 +722,20 @@ fn fit_i4_asym(x: &[f32]) -> (f32, f32) {
 
 /// Asymmetric int4 for one group: fills `q` with `l - 8` (the stored nibble minus the zero
 /// point) and returns `(scale, bias)` of the stored form `scale * q + bias = d * l + m`, i.e.
-/// `scale = d`, `bias = m + 8 d`.
-fn quantize_group_i4_asym(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+/// `scale = d`, `bias = m + 8 d`. With `half`, both are rounded to f16 first and the integers
+/// chosen for the rounded pair (nearest to each value).
+fn quantize_group_i4_asym(x: &[f32], q: &mut [i8], half: bool) -> (f32, f32) {
     let (d, m) = fit_i4_asym(x);
-    if d == 0.0 {
+    let (s, b) = (side_value(d, half), side_value(m + 8.0 * d, half));
+    if s == 0.0 {
         q.fill(0);
-        return (0.0, m);
+        return (0.0, side_value(m, half));
     }
-    let inv = 1.0 / d;
+    let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (rint((v - m) * inv).clamp(0.0, 15.0) - 8.0) as i8;
+        *o = rint((v - b) * inv).clamp(-8.0, 7.0) as i8;
     }
-    (d, m + 8.0 * d)
+    (s, b)
 }
 
 /// Signal-to-noise ratio in dB of `test` against `reference`: `10 log10(sum ref^2 / sum (ref -
@@ -733,7 +792,9 @@ mod tests {
             let b = q.bias.as_ref().expect("asymmetric int4 carries a bias");
             assert_eq!(b.len(), r * c / g);
             assert_eq!(q.nbytes(), plan.nbytes(r, c));
-            assert_eq!(q.bits_per_weight(), 4.0 + 64.0 / g as f64);
+            // Groups shorter than the row: f16 scale and bias.
+            assert_eq!(q.half_sides(), g < c);
+            assert_eq!(q.bits_per_weight(), 4.0 + if g < c { 32.0 } else { 64.0 } / g as f64);
             let y = q.dequantize();
             // Each value is scale * (an integer in -8..=7) + bias.
             for row in 0..r {
@@ -771,7 +832,7 @@ mod tests {
         }
         let g128 = QuantSpec::new(QFormat::I4, Some(128));
         assert_eq!(g128.plan("lm_head.weight", 256).unwrap().group, 256);
-        assert_eq!(g128.plan("w", 256).unwrap().nbytes(2, 256), 2 * 128 + 4 * 2 * 2 * 2);
+        assert_eq!(g128.plan("w", 256).unwrap().nbytes(2, 256), 2 * 128 + 2 * 2 * 2 * 2);
         let i8 = QuantSpec::new(QFormat::I8, None);
         assert_eq!(
             i8.plan("model.embedding.weight", 64).unwrap(),
@@ -882,19 +943,107 @@ mod tests {
         let q = quantize("w", 1, 64, &x, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
         assert_eq!(q.dequantize(), x);
         assert_eq!(q.scales.as_slice(), &[0.0, 0.0]);
-        // Two distinct values per group: both hit exactly (up to rounding of d * l + m).
+        // Two distinct values per group: with f32 sides (one group per row) both hit exactly
+        // (up to rounding of d * l + m); with f16 sides within the rounding of the scale and
+        // bias (2^-11 relative each, over 8 steps: < 2^-7 of a step).
         let y: Vec<f32> = (0..64).map(|i| if i % 2 == 0 { 1.5 } else { -0.5 }).collect();
-        let q = quantize("w", 1, 64, &y, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
-        for (a, b) in y.iter().zip(q.dequantize()) {
+        let row = quantize_planned("w", 1, 64, &y, QPlan { format: QFormat::I4, group: 64, bias: true }).unwrap();
+        for (a, b) in y.iter().zip(row.dequantize()) {
             assert!((a - b).abs() < 1e-6, "{a} -> {b}");
         }
+        let q = quantize("w", 1, 64, &y, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        let step = 2.0 / 15.0;
+        for (a, b) in y.iter().zip(q.dequantize()) {
+            assert!((a - b).abs() < step / 128.0, "{a} -> {b}");
+        }
+    }
+
+    /// Grouped plans store their scales and biases as f16 values: every one is exactly an f16,
+    /// the integers are the nearest for the rounded pair, and the error stays that of the
+    /// 4-bit (8-bit) grid: within 1 % in SNR terms of the unrounded f32 fit.
+    #[test]
+    fn grouped_scales_and_biases_are_f16_values() {
+        let (r, c) = (16, 256);
+        let x = ramp(r, c);
+        for plan in [
+            QPlan { format: QFormat::I4, group: 32, bias: true },
+            QPlan { format: QFormat::I4, group: 64, bias: false },
+            QPlan { format: QFormat::I8, group: 32, bias: false },
+        ] {
+            let q = quantize_planned("w", r, c, &x, plan).unwrap();
+            assert!(q.half_sides(), "{plan:?}");
+            assert!(q.scales.iter().chain(q.bias.iter().flat_map(|b| b.iter())).all(|&v| is_f16_exact(v)));
+            let y = q.dequantize();
+            // Each value's integer is the nearest on its group's (rounded) grid.
+            for row in 0..r {
+                for col in 0..c {
+                    let k = row * (c / plan.group) + col / plan.group;
+                    let (s, b) = (q.scales[k], q.bias.as_ref().map_or(0.0, |b| b[k]));
+                    let e = (x[row * c + col] - y[row * c + col]).abs();
+                    let lo = if plan.format == QFormat::I8 { -127 } else { -8 };
+                    let hi = if plan.format == QFormat::I8 { 127 } else { 7 };
+                    let best =
+                        (lo..=hi).map(|l| (x[row * c + col] - (s * l as f32 + b)).abs()).fold(f32::MAX, f32::min);
+                    assert!(e <= best + 1e-6 * (1.0 + best), "{plan:?} row {row} col {col}: {e} vs {best}");
+                }
+            }
+            // The same plan with f32 sides, through the per-group functions directly.
+            let mut qs = vec![0i8; plan.group];
+            let mut yf = vec![0.0f32; r * c];
+            for (gi, (xg, yg)) in x.chunks(plan.group).zip(yf.chunks_mut(plan.group)).enumerate() {
+                let (s, b) = match (plan.format, plan.bias) {
+                    (QFormat::I8, _) => (quantize_group_i8(xg, &mut qs, false), 0.0),
+                    (QFormat::I4, true) => quantize_group_i4_asym(xg, &mut qs, false),
+                    (QFormat::I4, false) => (quantize_group_i4(xg, &mut qs, false), 0.0),
+                };
+                assert!(gi < r * c / plan.group);
+                for (o, &l) in yg.iter_mut().zip(&qs) {
+                    *o = s * l as f32 + b;
+                }
+            }
+            let (h, f) = (snr_db(&x, &y), snr_db(&x, &yf));
+            assert!(h > 0.99 * f, "{plan:?}: f16 sides {h:.2} dB vs f32 {f:.2} dB");
+        }
+        // Per-row scales stay f32 (not rounded).
+        let q = quantize("w", r, c, &x, QuantSpec::new(QFormat::I8, None)).unwrap();
+        assert!(!q.half_sides());
+        assert!(q.scales.iter().any(|&v| !is_f16_exact(v)));
+    }
+
+    /// The bit test agrees with an f16 round trip on normal, subnormal, boundary and
+    /// out-of-range values.
+    #[test]
+    fn f16_exactness_matches_a_round_trip() {
+        let mut seed = 7u64;
+        let mut vals = vec![0.0f32, -0.0, 65504.0, 65520.0, 6.1035156e-5, 5.9604645e-8, 2.9802322e-8, 1e-9, 1e30];
+        for _ in 0..20000 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let bits = (seed >> 32) as u32;
+            let v = f32::from_bits(bits);
+            if v.is_finite() {
+                vals.push(v);
+                vals.push(half::f16::from_f32(v).to_f32());
+            }
+        }
+        for e in -30..20 {
+            let v = 2f32.powi(e);
+            vals.extend([v, -v, v * 1.5, v * (1.0 + 2f32.powi(-10)), v * (1.0 + 2f32.powi(-11))]);
+        }
+        let mut exact = 0;
+        for v in vals {
+            let h = half::f16::from_f32(v).to_f32();
+            let want = h.is_finite() && h == v;
+            assert_eq!(is_f16_exact(v), want, "{v:e} ({:#010x})", v.to_bits());
+            exact += usize::from(want);
+        }
+        assert!(exact > 10000, "too few exact values exercised: {exact}");
     }
 
     #[test]
     fn scale_search_beats_plain_absmax() {
         let x = ramp(1, 64);
         let mut q = vec![0i8; 64];
-        let s = quantize_group_i4(&x, &mut q);
+        let s = quantize_group_i4(&x, &mut q, false);
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         assert!(err_i4(&x, s) <= err_i4(&x, amax / 7.0));
     }

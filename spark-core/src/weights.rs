@@ -329,9 +329,10 @@ impl Checkpoint {
             let n = format!("{name}_{suffix}");
             match self.tensors.get(&n) {
                 None => Ok(None),
-                Some(t) if t.dtype != DType::F32 => {
-                    Err(Error::model(format!("tensor '{n}' is {}; quantization scales must be F32", t.dtype)))
+                Some(t) if t.dtype == DType::BF16 => {
+                    Err(Error::model(format!("tensor '{n}' is BF16; quantization scales must be F32 or F16")))
                 }
+                // F16 values are exact in f32 (the kernels get them back as f16).
                 Some(t) => Ok(Some((t.shape.clone(), t.to_f32()))),
             }
         };
@@ -535,19 +536,28 @@ pub fn write_safetensors(path: &Path, tensors: &[Tensor]) -> Result<()> {
 }
 
 /// Write float and quantized weights as one safetensors file: a quantized matrix becomes its
-/// values (`NAME`, I8 or U8), `NAME_scale` and, if present, `NAME_bias` (F32). `metadata` goes
-/// into the header's `__metadata__`.
+/// values (`NAME`, I8 or U8), `NAME_scale` and, if present, `NAME_bias` (F16 when every one is
+/// exactly an f16 value and there are several per row, [`QTensor::half_sides`]; else F32).
+/// `metadata` goes into the header's `__metadata__`.
 pub fn write_weights(path: &Path, weights: &[Weight], metadata: Option<HashMap<String, String>>) -> Result<()> {
     use safetensors::tensor::TensorView;
-    let f32_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let side_bytes = |v: &[f32], half: bool| -> Vec<u8> {
+        if half {
+            v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect()
+        } else {
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }
+    };
     // Scale/bias bytes must outlive the views.
-    let mut extra: Vec<(String, Vec<usize>, Vec<u8>)> = vec![];
+    let mut extra: Vec<(String, Vec<usize>, StDtype, Vec<u8>)> = vec![];
     for w in weights {
         if let Weight::Quant(q) = w {
             let shape = vec![q.rows, q.groups_per_row()];
-            extra.push((format!("{}_scale", q.name), shape.clone(), f32_bytes(&q.scales)));
+            let half = q.half_sides();
+            let dt = if half { StDtype::F16 } else { StDtype::F32 };
+            extra.push((format!("{}_scale", q.name), shape.clone(), dt, side_bytes(&q.scales, half)));
             if let Some(b) = &q.bias {
-                extra.push((format!("{}_bias", q.name), shape, f32_bytes(b)));
+                extra.push((format!("{}_bias", q.name), shape, dt, side_bytes(b, half)));
             }
         }
     }
@@ -573,8 +583,8 @@ pub fn write_weights(path: &Path, weights: &[Weight], metadata: Option<HashMap<S
         };
         views.push((name.clone(), view));
     }
-    for (n, shape, bytes) in &extra {
-        views.push((n.clone(), TensorView::new(StDtype::F32, shape.clone(), bytes).map_err(|e| err(n, e))?));
+    for (n, shape, dt, bytes) in &extra {
+        views.push((n.clone(), TensorView::new(*dt, shape.clone(), bytes).map_err(|e| err(n, e))?));
     }
     safetensors::serialize_to_file(views, metadata, path)
         .map_err(|e| Error::new(crate::error::ErrorKind::Io, format!("cannot write {}: {e}", path.display())))

@@ -36,7 +36,7 @@ use rayon::prelude::*;
 use spark_core::quant::QFormat;
 use spark_core::DType;
 
-use super::qmatmul::{QAct, QMat, ScaleMode, QBLOCK, QCHUNK};
+use super::qmatmul::{QAct, QMat, ScaleMode, Side, QBLOCK, QCHUNK};
 use super::{Prefetcher, QSimd, SharedOut};
 
 /// The most tokens [`matmul`] takes. Beyond it the AMX BF16 kernel on dequantized tiles is
@@ -65,7 +65,7 @@ const CHUNK_BYTES: usize = 512 * 1024;
 const PREFETCH_STEPS: usize = 4;
 
 /// Whether AMX tiles are granted ([`super::amx::available`]) and the processor has AMX-INT8 and
-/// AVX-512 BW/VNNI (the row tails run the VNNI kernel).
+/// AVX-512 BW/VNNI (the row tails run the VNNI kernel) and VL (f16 scales load 256 bits masked).
 pub fn available() -> bool {
     static A: OnceLock<bool> = OnceLock::new();
     *A.get_or_init(|| {
@@ -74,6 +74,7 @@ pub fn available() -> bool {
             && __cpuid_count(7, 0).edx & (1 << 25) != 0
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
     })
 }
 
@@ -364,7 +365,7 @@ fn prefetch_rows(p: *const u8, stride: usize) {
 /// The tile config is loaded on this thread; rows `rb..rb + 16` exist in `w`; `packed` was
 /// filled for `plan` (and `w`'s padded columns and format); `next` is null or is row `rb + 16`,
 /// the first of 16 more rows of `w`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn block16(
     w: &QMat,
@@ -395,8 +396,11 @@ unsafe fn block16(
     let (scales, ng) = (w.scales(), w.ng);
     let bias = w.bias();
     // The next block's scales and biases (separate arrays) stream in over this block's steps.
-    let side = |arr: Option<&[f32]>| match arr {
-        Some(v) if !next.is_null() && ng > 1 => Prefetcher::rows(v.as_ptr().cast(), ng * 4, rb + 16, 16, ksteps),
+    let side = |arr: Option<&Side>| match arr {
+        Some(v) if !next.is_null() && ng > 1 => {
+            let (p, es) = v.raw();
+            Prefetcher::rows(p, ng * es, rb + 16, 16, ksteps)
+        }
         _ => Prefetcher::none(),
     };
     let (ps, pb) = (side(Some(scales)), side(bias));
@@ -441,7 +445,11 @@ unsafe fn block16(
             let sp = &packed.spread[p];
             let idx = _mm512_loadu_si512(sp.idx.as_ptr().cast());
             for (i, v) in sv.iter_mut().enumerate() {
-                let loaded = _mm512_maskz_loadu_ps(sp.mask, scales[(rb + i) * ng + sp.first..].as_ptr());
+                let at = (rb + i) * ng + sp.first;
+                let loaded = match scales {
+                    Side::F32(s) => _mm512_maskz_loadu_ps(sp.mask, s[at..].as_ptr()),
+                    Side::F16(s) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sp.mask, s[at..].as_ptr().cast())),
+                };
                 *v = _mm512_permutexvar_ps(idx, loaded);
             }
         }
@@ -464,30 +472,30 @@ unsafe fn block16(
         let cols = lanes << (tl * 2 * g);
         for (i, o) in out.iter_mut().enumerate() {
             let v = _mm512_mask_reduce_add_ps(cols, acc[j][i]);
-            *o = if grouped { v } else { v * scales[rb + i] };
+            *o = if grouped { v } else { v * scales.get(rb + i) };
             if let Some(bias) = bias {
-                *o += dot(&bias[(rb + i) * ng..][..ng], act.a_row(j0 * plan.p + t));
+                *o += dot(bias, (rb + i) * ng, ng, act.a_row(j0 * plan.p + t));
             }
         }
     }
 }
 
-/// `sum_i a[i] * b[i]` on 16-lane vectors (the bias term).
+/// `sum_i b[at + i] * a[i]` for `i < n` on 16-lane vectors (the bias term).
 ///
 /// # Safety
-/// AVX-512F.
-#[target_feature(enable = "avx512f")]
-unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
+/// AVX-512F/BW/VL and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn dot(b: &Side, at: usize, n: usize, a: &[f32]) -> f32 {
+    assert!(a.len() >= n && b.len() >= at + n, "amx int8 bias term: lengths");
     let mut acc = _mm512_setzero_ps();
     let mut i = 0;
     while i < n {
         let m: __mmask16 = if n - i >= 16 { 0xFFFF } else { ((1u32 << (n - i)) - 1) as __mmask16 };
-        acc = _mm512_fmadd_ps(
-            _mm512_maskz_loadu_ps(m, a.as_ptr().add(i)),
-            _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)),
-            acc,
-        );
+        let bv = match b {
+            Side::F32(v) => _mm512_maskz_loadu_ps(m, v.as_ptr().add(at + i)),
+            Side::F16(v) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, v.as_ptr().add(at + i).cast())),
+        };
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a.as_ptr().add(i)), bv, acc);
         i += 16;
     }
     _mm512_reduce_add_ps(acc)

@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{ScaleMode, TileArgs, QBLOCK};
+use super::qmatmul::{ScaleMode, SideEl, TileArgs, H16, QBLOCK};
 
 /// How a weight format turns a 32-block into `vpmaddubsw` operands.
 trait Fmt {
@@ -57,11 +57,12 @@ impl Fmt for I4 {
     }
 }
 
-/// How the weight scales of a 32-block fill eight lanes (four columns each).
+/// How the weight scales of a 32-block fill eight lanes (four columns each), from scales of
+/// type `E`.
 trait Scale {
     /// One scale for the whole row, applied after the sum (`sv` is then unused).
     const ROW: bool = false;
-    unsafe fn sv(s: *const f32, sidx: *const u32, b: usize) -> __m256;
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, b: usize) -> __m256;
 }
 
 /// One scale per row.
@@ -74,26 +75,30 @@ struct Half;
 impl Scale for PerRow {
     const ROW: bool = true;
     #[inline(always)]
-    unsafe fn sv(_s: *const f32, _sidx: *const u32, _b: usize) -> __m256 {
+    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _b: usize) -> __m256 {
         _mm256_setzero_ps()
     }
 }
 
 impl Scale for Uni {
     #[inline(always)]
-    unsafe fn sv(s: *const f32, sidx: *const u32, b: usize) -> __m256 {
-        _mm256_broadcast_ss(&*s.add(*sidx.add(2 * b) as usize))
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, b: usize) -> __m256 {
+        _mm256_set1_ps(E::get(s, *sidx.add(2 * b) as usize))
     }
 }
 
 impl Scale for Half {
     #[inline(always)]
-    unsafe fn sv(s: *const f32, sidx: *const u32, b: usize) -> __m256 {
-        let lo = _mm_broadcast_ss(&*s.add(*sidx.add(2 * b) as usize));
-        let hi = _mm_broadcast_ss(&*s.add(*sidx.add(2 * b + 1) as usize));
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, b: usize) -> __m256 {
+        let lo = _mm_set1_ps(E::get(s, *sidx.add(2 * b) as usize));
+        let hi = _mm_set1_ps(E::get(s, *sidx.add(2 * b + 1) as usize));
         _mm256_set_m128(hi, lo)
     }
 }
+
+/// Most groups per row whose f16 scales [`tile`] converts to f32 up front (4 rows: 8 KiB of
+/// stack); rows with more groups read the f16 values in the block loop.
+const CONV_GROUPS: usize = 512;
 
 #[inline(always)]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -107,15 +112,33 @@ unsafe fn hsum(v: __m256) -> f32 {
 ///
 /// # Safety
 /// AVX2 and FMA; `a` describes `R` packed rows and `T` token rows of `a.kp` columns.
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
     let nb = a.kp / QBLOCK;
     let ones = _mm256_set1_epi16(1);
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nb);
     let [ps, pb] = a.side_prefetchers(R, nb);
+    // f16 scales: the tile's rows' scales converted to f32 once, into an L1 buffer, so that the
+    // block loop broadcasts f32 values (a scalar f16 conversion per block and row made the
+    // decode GEMV ~20 % slower than with f32 scales).
+    let mut conv = [std::mem::MaybeUninit::<f32>::uninit(); 4 * CONV_GROUPS];
+    let convert = E::HALF && !S::ROW && R <= 4 && a.ng <= CONV_GROUPS;
+    let cp = conv.as_mut_ptr() as *mut f32;
+    if convert {
+        let n8 = a.ng / 8 * 8;
+        for r in 0..R {
+            let src = a.s.cast::<E>().add(r * a.ng);
+            for i in (0..n8).step_by(8) {
+                _mm256_storeu_ps(cp.add(r * a.ng + i), E::load8(src.add(i)));
+            }
+            for i in n8..a.ng {
+                *cp.add(r * a.ng + i) = E::get(src, i);
+            }
+        }
+    }
     for b in 0..nb {
         pf.step(b);
         ps.step(b);
@@ -126,7 +149,11 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
         for r in 0..R {
             (wu[r], ws[r]) = F::block(a.w.add(r * a.row_bytes), b);
             if !S::ROW {
-                sv[r] = S::sv(a.s.add(r * a.ng), sidx, b);
+                sv[r] = if convert {
+                    S::sv::<f32>(cp.add(r * a.ng), sidx, b)
+                } else {
+                    S::sv(a.s.cast::<E>().add(r * a.ng), sidx, b)
+                };
             }
         }
         for t in 0..T {
@@ -153,9 +180,9 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
         for t in 0..T {
             out[r][t] = hsum(acc[r][t]);
             if S::ROW {
-                out[r][t] *= *a.s.add(r * a.ng);
+                out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term(r, t);
+            out[r][t] += a.bias_term::<E>(r, t);
         }
     }
     out
@@ -164,13 +191,17 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 x 1 (decode)
 /// or 2 x up to 4 tokens (3 when per-block scales or the int4 correction need registers).
 ///
+/// Scales and biases are f16 when `half`, else f32.
+///
 /// # Safety
-/// AVX2 and FMA; `args(r, t)` describes packed row `r` and token `t` of matching buffers for
-/// every `r0 <= r < r1`, `t0 <= t < t0 + nt`; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+/// AVX2, FMA and F16C; `args(r, t)` describes packed row `r` and token `t` of matching buffers
+/// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type `half`
+/// says; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
     fmt: QFormat,
     mode: ScaleMode,
+    half: bool,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -179,20 +210,29 @@ pub(crate) unsafe fn rows_tokens<'a>(
     tmp: &mut [f32],
     ld: usize,
 ) {
+    macro_rules! go {
+        ($f:ty, $s:ty) => {
+            if half {
+                run::<$f, $s, H16>(args, r0, r1, t0, nt, tmp, ld)
+            } else {
+                run::<$f, $s, f32>(args, r0, r1, t0, nt, tmp, ld)
+            }
+        };
+    }
     match (fmt, mode) {
-        (QFormat::I8, ScaleMode::Row) => run::<I8, PerRow>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I8, ScaleMode::Half) => run::<I8, Half>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I8, _) => run::<I8, Uni>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Row) => run::<I4, PerRow>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Half) => run::<I4, Half>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, _) => run::<I4, Uni>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
+        (QFormat::I8, ScaleMode::Half) => go!(I8, Half),
+        (QFormat::I8, _) => go!(I8, Uni),
+        (QFormat::I4, ScaleMode::Row) => go!(I4, PerRow),
+        (QFormat::I4, ScaleMode::Half) => go!(I4, Half),
+        (QFormat::I4, _) => go!(I4, Uni),
     }
 }
 
 /// # Safety
 /// As [`rows_tokens`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run<'a, F: Fmt, S: Scale>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -217,7 +257,7 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
             let base = t * ld + r - r0;
             macro_rules! go {
                 ($r:literal, $t:literal) => {{
-                    let o = tile::<F, S, $r, $t>(&a);
+                    let o = tile::<F, S, E, $r, $t>(&a);
                     for (j, row) in o.iter().enumerate() {
                         for (i, &v) in row.iter().enumerate() {
                             tmp[base + i * ld + j] = v;

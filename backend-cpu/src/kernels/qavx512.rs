@@ -10,7 +10,7 @@
 //! bit-identical to unpacking the nibbles). The zero point (128 for int8, 8 for int4, 128 for
 //! the int4 high nibbles in place) is removed exactly: each `vpdpbusd` starts from `-zero *` the
 //! activations' 4-column sums instead of 0. Every function is `unsafe` and needs AVX-512F,
-//! AVX-512BW and AVX-512 VNNI.
+//! AVX-512BW and AVX-512 VNNI (and F16C, for f16 scales).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{ScaleMode, TileArgs, QBLOCK, QCHUNK};
+use super::qmatmul::{ScaleMode, SideEl, TileArgs, H16, QBLOCK, QCHUNK};
 
 /// How a weight format yields the 64 unsigned bytes of a chunk.
 trait Fmt {
@@ -96,13 +96,13 @@ const I4_LANE_SCALE: Floats = Floats {
     a: [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625, 0.0625],
 };
 
-/// How the weight scales of a chunk fill 16 lanes (four columns each).
+/// How the weight scales of a chunk fill 16 lanes (four columns each), from scales of type `E`.
 trait Scale {
     /// One scale for the whole row, applied after the sum (`sv` is then unused).
     const ROW: bool = false;
     /// Whether `sv` gathers several scales per chunk (extra registers).
     const WIDE_SCALES: bool = false;
-    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512;
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512;
 }
 
 /// One scale per row.
@@ -111,7 +111,7 @@ struct PerRow;
 impl Scale for PerRow {
     const ROW: bool = true;
     #[inline(always)]
-    unsafe fn sv(_s: *const f32, _sidx: *const u32, _c: usize) -> __m512 {
+    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
         _mm512_setzero_ps()
     }
 }
@@ -125,18 +125,18 @@ struct Half;
 
 impl Scale for Chunk {
     #[inline(always)]
-    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512 {
-        _mm512_set1_ps(*s.add(*sidx.add(4 * c) as usize))
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512 {
+        _mm512_set1_ps(E::get(s, *sidx.add(4 * c) as usize))
     }
 }
 
 impl Scale for Block {
     const WIDE_SCALES: bool = true;
     #[inline(always)]
-    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512 {
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512 {
         let two = _mm_unpacklo_ps(
-            _mm_load_ss(s.add(*sidx.add(4 * c) as usize)),
-            _mm_load_ss(s.add(*sidx.add(4 * c + 2) as usize)),
+            _mm_set_ss(E::get(s, *sidx.add(4 * c) as usize)),
+            _mm_set_ss(E::get(s, *sidx.add(4 * c + 2) as usize)),
         );
         _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(two))
     }
@@ -148,17 +148,16 @@ struct Pair;
 impl Scale for Pair {
     const WIDE_SCALES: bool = true;
     #[inline(always)]
-    unsafe fn sv(s: *const f32, _sidx: *const u32, c: usize) -> __m512 {
-        let two = _mm_castsi128_ps(_mm_loadl_epi64(s.add(2 * c) as *const __m128i));
-        _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(two))
+    unsafe fn sv<E: SideEl>(s: *const E, _sidx: *const u32, c: usize) -> __m512 {
+        _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(E::pair(s, 2 * c)))
     }
 }
 
 impl Scale for Half {
     const WIDE_SCALES: bool = true;
     #[inline(always)]
-    unsafe fn sv(s: *const f32, sidx: *const u32, c: usize) -> __m512 {
-        let g = |h: usize| *s.add(*sidx.add(4 * c + h) as usize);
+    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512 {
+        let g = |h: usize| E::get(s, *sidx.add(4 * c + h) as usize);
         let four = _mm_setr_ps(g(0), g(1), g(2), g(3));
         _mm512_permutexvar_ps(IDX4.v, _mm512_castps128_ps512(four))
     }
@@ -178,9 +177,9 @@ const IDX4: Idx = Idx { a: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3] };
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI; `a` describes `R` packed rows and `T` token rows of `a.kp` columns.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
     let nc = a.kp / QCHUNK;
     let nb = a.kp / QBLOCK;
     let sidx = a.sidx.as_ptr();
@@ -196,7 +195,7 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
         for r in 0..R {
             wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
             if !S::ROW {
-                sv[r] = S::sv(a.s.add(r * a.ng), sidx, c);
+                sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
             }
         }
         for t in 0..T {
@@ -216,24 +215,26 @@ unsafe fn tile<F: Fmt, S: Scale, const R: usize, const T: usize>(a: &TileArgs<'_
         for t in 0..T {
             out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
             if S::ROW {
-                out[r][t] *= *a.s.add(r * a.ng);
+                out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term(r, t);
+            out[r][t] += a.bias_term::<E>(r, t);
         }
     }
     out
 }
 
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 rows x up to
-/// 4 tokens (3 for int4 with per-block scales).
+/// 4 tokens (3 for int4 with per-block scales); scales and biases f16 when `half`, else f32.
 ///
 /// # Safety
-/// AVX-512F/BW/VNNI; `args(r, t)` describes packed row `r` and token `t` of matching buffers
-/// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+/// AVX-512F/BW/VNNI and F16C; `args(r, t)` describes packed row `r` and token `t` of matching
+/// buffers for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type
+/// `half` says; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
     fmt: QFormat,
     mode: ScaleMode,
+    half: bool,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -242,24 +243,33 @@ pub(crate) unsafe fn rows_tokens<'a>(
     tmp: &mut [f32],
     ld: usize,
 ) {
+    macro_rules! go {
+        ($f:ty, $s:ty) => {
+            if half {
+                run::<$f, $s, H16>(args, r0, r1, t0, nt, tmp, ld)
+            } else {
+                run::<$f, $s, f32>(args, r0, r1, t0, nt, tmp, ld)
+            }
+        };
+    }
     match (fmt, mode) {
-        (QFormat::I8, ScaleMode::Row) => run::<I8, PerRow>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Row) => run::<I4, PerRow>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I8, ScaleMode::Chunk) => run::<I8, Chunk>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I8, ScaleMode::Block) => run::<I8, Block>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I8, ScaleMode::Pair) => run::<I8, Pair>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I8, ScaleMode::Half) => run::<I8, Half>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Chunk) => run::<I4, Chunk>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Block) => run::<I4, Block>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Pair) => run::<I4, Pair>(args, r0, r1, t0, nt, tmp, ld),
-        (QFormat::I4, ScaleMode::Half) => run::<I4, Half>(args, r0, r1, t0, nt, tmp, ld),
+        (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
+        (QFormat::I4, ScaleMode::Row) => go!(I4, PerRow),
+        (QFormat::I8, ScaleMode::Chunk) => go!(I8, Chunk),
+        (QFormat::I8, ScaleMode::Block) => go!(I8, Block),
+        (QFormat::I8, ScaleMode::Pair) => go!(I8, Pair),
+        (QFormat::I8, ScaleMode::Half) => go!(I8, Half),
+        (QFormat::I4, ScaleMode::Chunk) => go!(I4, Chunk),
+        (QFormat::I4, ScaleMode::Block) => go!(I4, Block),
+        (QFormat::I4, ScaleMode::Pair) => go!(I4, Pair),
+        (QFormat::I4, ScaleMode::Half) => go!(I4, Half),
     }
 }
 
 /// # Safety
 /// As [`rows_tokens`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-unsafe fn run<'a, F: Fmt, S: Scale>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -283,7 +293,7 @@ unsafe fn run<'a, F: Fmt, S: Scale>(
             let base = t * ld + r - r0;
             macro_rules! go {
                 ($r:literal, $t:literal) => {{
-                    let o = tile::<F, S, $r, $t>(&a);
+                    let o = tile::<F, S, E, $r, $t>(&a);
                     for (j, row) in o.iter().enumerate() {
                         for (i, &v) in row.iter().enumerate() {
                             tmp[base + i * ld + j] = v;

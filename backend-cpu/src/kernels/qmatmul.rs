@@ -68,6 +68,61 @@ pub enum ScaleMode {
     Half,
 }
 
+/// A matrix's scales or biases (`[rows, ng]`) as the kernels read them.
+pub enum Side {
+    /// The [`QTensor`]'s own f32 values (shared, no copy).
+    F32(Arc<Vec<f32>>),
+    /// The same values as f16 bits, when every one is exactly an f16 ([`QTensor::half_sides`]):
+    /// half the bytes per decode step, and converted back to the identical f32 values.
+    F16(Vec<u16>),
+}
+
+impl Side {
+    fn new(v: &Arc<Vec<f32>>, half: bool) -> Side {
+        if half {
+            Side::F16(v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect())
+        } else {
+            Side::F32(v.clone())
+        }
+    }
+
+    /// Value `i`.
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            Side::F32(v) => v[i],
+            Side::F16(v) => half::f16::from_bits(v[i]).to_f32(),
+        }
+    }
+
+    /// The first value's address and the bytes per value (for prefetching).
+    pub fn raw(&self) -> (*const u8, usize) {
+        match self {
+            Side::F32(v) => (v.as_ptr().cast(), 4),
+            Side::F16(v) => (v.as_ptr().cast(), 2),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Side::F32(v) => v.len(),
+            Side::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn nbytes(&self) -> usize {
+        match self {
+            Side::F32(v) => 4 * v.len(),
+            Side::F16(v) => 2 * v.len(),
+        }
+    }
+}
+
 /// A quantized matrix in the kernels' layout (see the module documentation).
 pub struct QMat {
     pub format: QFormat,
@@ -83,9 +138,9 @@ pub struct QMat {
     data: Vec<u8>,
     /// Offset of the first row in `data` (64-byte aligned).
     off: usize,
-    /// Shared with the [`QTensor`] (no copy).
-    scales: Arc<Vec<f32>>,
-    bias: Option<Arc<Vec<f32>>>,
+    /// `[rows, ng]`: f16 when [`QTensor::half_sides`], else shared with the [`QTensor`].
+    scales: Side,
+    bias: Option<Side>,
     /// Group of each 16-column half-block, `kp / 16` entries (padding: the last group).
     sidx: Vec<u32>,
 }
@@ -156,6 +211,7 @@ impl QMat {
             }
         }
         let sidx = (0..kp / 16).map(|h| ((h * 16 / group).min(ng - 1)) as u32).collect();
+        let half = q.half_sides();
         QMat {
             format: q.format,
             rows,
@@ -166,8 +222,8 @@ impl QMat {
             mode,
             data,
             off,
-            scales: q.scales.clone(),
-            bias: q.bias.clone(),
+            scales: Side::new(&q.scales, half),
+            bias: q.bias.as_ref().map(|b| Side::new(b, half)),
             sidx,
         }
     }
@@ -177,12 +233,16 @@ impl QMat {
         &self.data[self.off..self.off + self.rows * self.row_bytes()]
     }
     /// Scales, `[rows, ng]`.
-    pub fn scales(&self) -> &[f32] {
+    pub fn scales(&self) -> &Side {
         &self.scales
     }
     /// Biases, `[rows, ng]`, if any.
-    pub fn bias(&self) -> Option<&[f32]> {
-        self.bias.as_ref().map(|b| b.as_slice())
+    pub fn bias(&self) -> Option<&Side> {
+        self.bias.as_ref()
+    }
+    /// Whether the scales (and biases) are held as f16.
+    pub fn half_sides(&self) -> bool {
+        matches!(self.scales, Side::F16(_))
     }
     /// Group of each 16-column half-block (`kp / 16` entries).
     pub fn half_groups(&self) -> &[u32] {
@@ -202,7 +262,7 @@ impl QMat {
 
     /// Bytes held (values, scales, biases, table).
     pub fn nbytes(&self) -> usize {
-        self.data.len() + 4 * (self.scales.len() + self.bias.as_ref().map_or(0, |b| b.len()) + self.sidx.len())
+        self.data.len() + self.scales.nbytes() + self.bias.as_ref().map_or(0, |b| b.nbytes()) + 4 * self.sidx.len()
     }
 
     /// The integer value of element `c` of row `r` minus the zero point.
@@ -261,12 +321,11 @@ impl QMat {
     #[inline(always)]
     fn dequant_bf16_body(&self, r: usize, c0: usize, out: &mut [u16]) {
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
-        let s = &self.scales[r * self.ng..(r + 1) * self.ng];
-        let b = self.bias.as_ref().map(|b| &b[r * self.ng..(r + 1) * self.ng]);
+        let at = r * self.ng;
         for (hi, o16) in out.chunks_exact_mut(16).enumerate() {
             let c = c0 + hi * 16;
             let g = self.sidx[c / 16] as usize;
-            let (sg, bg) = (s[g], b.map_or(0.0, |b| b[g]));
+            let (sg, bg) = (self.scales.get(at + g), self.bias.as_ref().map_or(0.0, |b| b.get(at + g)));
             let mut q = [0.0f32; 16];
             match self.format {
                 QFormat::I8 => {
@@ -291,11 +350,10 @@ impl QMat {
     /// [`QTensor::dequant_row`] (so the results are identical).
     pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols, "dequant_row: output length");
-        let s = &self.scales[r * self.ng..(r + 1) * self.ng];
-        let b = self.bias.as_ref().map(|b| &b[r * self.ng..(r + 1) * self.ng]);
+        let (s, b) = (&self.scales, self.bias.as_ref());
         for (c, o) in out.iter_mut().enumerate() {
-            let g = c / self.group;
-            *o = s[g] * self.qval(r, c) as f32 + b.map_or(0.0, |b| b[g]);
+            let g = r * self.ng + c / self.group;
+            *o = s.get(g) * self.qval(r, c) as f32 + b.map_or(0.0, |b| b.get(g));
         }
     }
 }
@@ -439,8 +497,10 @@ pub(crate) struct TileArgs<'a> {
     /// Packed rows, `row_bytes` apart, starting at the tile's first row.
     pub w: *const u8,
     pub row_bytes: usize,
-    /// Scales of the tile's first row, `ng` apart.
-    pub s: *const f32,
+    /// Scales of the tile's first row, `ng` apart: f32, or f16 ([`H16`]) when `side_bytes` is 2.
+    pub s: *const u8,
+    /// Bytes per scale or bias (4 or 2).
+    pub side_bytes: usize,
     pub ng: usize,
     pub sidx: &'a [u32],
     /// The token tile's int8 rows (`kp` apart) and block scales (`kp / 32` apart).
@@ -448,9 +508,9 @@ pub(crate) struct TileArgs<'a> {
     pub d: *const f32,
     /// The token tile's 4-column sums (`kp / 4` apart).
     pub s4: *const i32,
-    /// Biases of the tile's first row (`ng` apart), or null: the kernels add the bias term
-    /// `sum_g bias[r, g] * A[t, g]` themselves.
-    pub b: *const f32,
+    /// Biases of the tile's first row (`ng` apart, the scales' type), or null: the kernels add
+    /// the bias term `sum_g bias[r, g] * A[t, g]` themselves.
+    pub b: *const u8,
     /// The token tile's group sums `A` (`ng` apart), for the bias term.
     pub ga: *const f32,
     pub kp: usize,
@@ -469,35 +529,107 @@ impl TileArgs<'_> {
     /// they are half as many bytes as the packed weights, and unprefetched they stalled the
     /// decode GEMV: 19 % of int4 decode time went to the bias term before it moved in here).
     pub fn side_prefetchers(&self, tile_rows: usize, n: usize) -> [Prefetcher; 2] {
-        let (rb, nr) = (self.ng * 4, self.next_rows);
-        let bias = if self.b.is_null() {
-            Prefetcher::none()
-        } else {
-            Prefetcher::rows(self.b as *const u8, rb, tile_rows, nr, n)
-        };
-        let scales =
-            if self.ng > 1 { Prefetcher::rows(self.s as *const u8, rb, tile_rows, nr, n) } else { Prefetcher::none() };
+        let (rb, nr) = (self.ng * self.side_bytes, self.next_rows);
+        let bias = if self.b.is_null() { Prefetcher::none() } else { Prefetcher::rows(self.b, rb, tile_rows, nr, n) };
+        let scales = if self.ng > 1 { Prefetcher::rows(self.s, rb, tile_rows, nr, n) } else { Prefetcher::none() };
         [scales, bias]
     }
 
     /// Row `r`'s (of the tile) bias term for token `t`: `sum_g bias[r, g] * A[t, g]`, 0 without
-    /// biases.
+    /// biases (eight partial sums).
     ///
     /// # Safety
-    /// `r` and `t` are inside the tile the arguments describe.
+    /// `r` and `t` are inside the tile the arguments describe; the biases are `E`s; AVX2, FMA
+    /// and F16C (inlined into the kernels, which enable them).
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub unsafe fn bias_term(&self, r: usize, t: usize) -> f32 {
+    pub unsafe fn bias_term<E: SideEl>(&self, r: usize, t: usize) -> f32 {
+        use std::arch::x86_64::*;
         if self.b.is_null() {
             return 0.0;
         }
         // SAFETY: the caller's rows and tokens have `ng` biases / group sums each.
-        let (b, a) = unsafe {
-            (
-                std::slice::from_raw_parts(self.b.add(r * self.ng), self.ng),
-                std::slice::from_raw_parts(self.ga.add(t * self.ng), self.ng),
-            )
-        };
-        dot8(a, b)
+        unsafe {
+            let (b, a) = (self.b.cast::<E>().add(r * self.ng), self.ga.add(t * self.ng));
+            let n8 = self.ng / 8 * 8;
+            let mut acc = _mm256_setzero_ps();
+            for i in (0..n8).step_by(8) {
+                acc = _mm256_fmadd_ps(E::load8(b.add(i)), _mm256_loadu_ps(a.add(i)), acc);
+            }
+            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let mut sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+            for i in n8..self.ng {
+                sum += E::get(b, i) * *a.add(i);
+            }
+            sum
+        }
+    }
+}
+
+/// An f16 scale or bias as the kernels read it (its bits).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub(crate) struct H16(u16);
+
+/// The element type of a matrix's scales and biases in the tile kernels: `f32` or [`H16`].
+/// Every function needs AVX (and F16C for [`H16`]) and is inlined into the kernels.
+#[cfg(target_arch = "x86_64")]
+pub(crate) trait SideEl: Copy {
+    /// Whether the values are f16.
+    const HALF: bool;
+    /// Value `i` after `p`.
+    unsafe fn get(p: *const Self, i: usize) -> f32;
+    /// Values `i` and `i + 1` in lanes 0 and 1.
+    unsafe fn pair(p: *const Self, i: usize) -> std::arch::x86_64::__m128;
+    /// Eight values.
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl SideEl for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    unsafe fn get(p: *const f32, i: usize) -> f32 {
+        // SAFETY: the caller's pointer is readable at `i`.
+        unsafe { *p.add(i) }
+    }
+    #[inline(always)]
+    unsafe fn pair(p: *const f32, i: usize) -> std::arch::x86_64::__m128 {
+        use std::arch::x86_64::*;
+        // SAFETY: two readable values (an unaligned 8-byte load).
+        unsafe { _mm_castsi128_ps(_mm_loadl_epi64(p.add(i) as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: eight readable values.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl SideEl for H16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    unsafe fn get(p: *const H16, i: usize) -> f32 {
+        // SAFETY: readable at `i`; F16C (caller).
+        unsafe {
+            use std::arch::x86_64::*;
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((*p.add(i)).0 as i32)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn pair(p: *const H16, i: usize) -> std::arch::x86_64::__m128 {
+        use std::arch::x86_64::*;
+        // SAFETY: two readable values (an unaligned 4-byte load); F16C (caller).
+        unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p.add(i) as *const i32))) }
+    }
+    #[inline(always)]
+    unsafe fn load8(p: *const H16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: eight readable values; F16C (caller).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
     }
 }
 
@@ -571,20 +703,6 @@ pub fn qmatmul_quantized(qs: QSimd, act: &QAct, w: &QMat, out: &mut [f32], round
     });
 }
 
-/// `sum_i a[i] * b[i]` in eight interleaved partial sums (vectorizes; the bias term).
-#[inline(always)]
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for j in 0..8 {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
 /// Rows `r0..r1` x tokens `t0..t0+nt` (the integer part and the bias term) into `tmp`
 /// (`[nt][r1 - r0]`).
 #[allow(clippy::too_many_arguments)]
@@ -600,38 +718,46 @@ pub(super) fn rows_tokens(
 ) {
     let rb = w.row_bytes();
     let nb = w.kp / QBLOCK;
+    let ng = w.ng;
+    let (sp, side_bytes) = w.scales.raw();
+    let bp = w.bias.as_ref().map_or(std::ptr::null(), |b| b.raw().0);
     let args = |r: usize, t: usize| TileArgs {
         w: w.packed()[r * rb..].as_ptr(),
         row_bytes: rb,
-        s: w.scales[r * w.ng..].as_ptr(),
-        ng: w.ng,
+        s: sp.wrapping_add(r * ng * side_bytes),
+        side_bytes,
+        ng,
         sidx: &w.sidx,
         q: act.q[t * w.kp..].as_ptr(),
         d: act.d[t * nb..].as_ptr(),
         s4: act.s4[t * w.kp / 4..].as_ptr(),
-        b: w.bias.as_ref().map_or(std::ptr::null(), |b| b[r * w.ng..].as_ptr()),
-        ga: act.a[t * w.ng..].as_ptr(),
+        b: if bp.is_null() { bp } else { bp.wrapping_add(r * ng * side_bytes) },
+        ga: act.a[t * ng..].as_ptr(),
         kp: w.kp,
         next_rows: 0,
     };
     let ld = r1 - r0;
+    #[cfg(target_arch = "x86_64")]
+    let half = w.half_sides();
     match qs {
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx2 => {
-            // SAFETY: QSimd::Avx2 (clamped to the detected level) implies AVX2 and FMA; every
-            // tile's rows and tokens are inside `w` and `act`; `tmp` holds nt * ld.
-            unsafe { super::qavx2::rows_tokens(w.format, w.mode, &args, r0, r1, t0, nt, tmp, ld) }
+            // SAFETY: QSimd::Avx2 (clamped to the detected level) implies AVX2, FMA and F16C;
+            // every tile's rows and tokens are inside `w` and `act`, its scales and biases `ng`
+            // per row of `side_bytes` each (f16 exactly when `half`); `tmp` holds nt * ld.
+            unsafe { super::qavx2::rows_tokens(w.format, w.mode, half, &args, r0, r1, t0, nt, tmp, ld) }
         }
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx512Vnni | QSimd::AmxInt8 => {
             // SAFETY: QSimd::Avx512Vnni or above (clamped to the detected level) implies AVX-512F/BW/VNNI
-            // and AVX2/FMA; tiles as above.
-            unsafe { super::qavx512::rows_tokens(w.format, w.mode, &args, r0, r1, t0, nt, tmp, ld) }
+            // and AVX2/FMA/F16C; tiles as above.
+            unsafe { super::qavx512::rows_tokens(w.format, w.mode, half, &args, r0, r1, t0, nt, tmp, ld) }
         }
         _ => {
             for i in 0..nt {
                 for r in r0..r1 {
-                    let bias = w.bias.as_ref().map_or(0.0, |b| dot8(act.a_row(t0 + i), &b[r * w.ng..(r + 1) * w.ng]));
+                    let a = act.a_row(t0 + i);
+                    let bias = w.bias.as_ref().map_or(0.0, |b| (0..ng).map(|g| b.get(r * ng + g) * a[g]).sum());
                     tmp[i * ld + r - r0] = portable_dot(act, w, r, t0 + i) + bias;
                 }
             }
@@ -644,7 +770,7 @@ pub(super) fn rows_tokens(
 pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
     let rb = w.row_bytes();
     let row = &w.packed()[r * rb..(r + 1) * rb];
-    let s = &w.scales[r * w.ng..(r + 1) * w.ng];
+    let s = |g: usize| w.scales.get(r * w.ng + g);
     let qa = act.q_row(t);
     let d = act.d_row(t);
     let mut acc = 0.0f32;
@@ -661,7 +787,7 @@ pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
             };
             sums[j / 16] += wq * a as i32;
         }
-        let (s0, s1) = (s[w.sidx[2 * b] as usize], s[w.sidx[2 * b + 1] as usize]);
+        let (s0, s1) = (s(w.sidx[2 * b] as usize), s(w.sidx[2 * b + 1] as usize));
         if s0 == s1 {
             acc += (sums[0] + sums[1]) as f32 * (db * s0);
         } else {

@@ -294,6 +294,16 @@ fn quantize_writes_checkpoints_close_to_the_reference() {
             got.sort();
             want.sort();
             assert_eq!(got, want);
+            // Group scales and biases are stored as F16, per-channel scales as F32.
+            let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+            let dtype = |t: &str| header[t]["dtype"].as_str().unwrap_or("missing").to_string();
+            let grouped = "model.layers.1.mlp.up_proj.weight";
+            assert_eq!(dtype(&format!("{grouped}_scale")), "F16");
+            assert_eq!(dtype(&format!("{grouped}_bias")), "F16");
+            assert_eq!(dtype("model.embedding.weight_scale"), "F32");
+            assert_eq!(cfg["quantization_config"]["scale_dtype"]["groups"], "float16");
         }
         let from_disk = logits_of(&out, &ids, &["--dtype", "f32"], &dir.path().join(format!("{to}-disk.npy")));
         let mut at_load = vec!["--dtype", "f32", "--quant", to];

@@ -101,9 +101,10 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     };
     let mut qc = serde_json::json!({"quant_method": "spark", "format": format.name(), "group_size": group_size,
         "symmetric": format == QFormat::I8, "modules_not_converted": ["g_proj"],
-        "activations": "int8 per 32-block at run time (CPU)"});
+        "activations": "int8 per 32-block at run time (CPU)",
+        "scale_dtype": {"groups": "float16", "per_channel": "float32"}});
     if format == QFormat::I4 {
-        // Asymmetric int4 groups (f32 scale and bias each); these tensors are int8 per channel.
+        // Asymmetric int4 groups (f16 scale and bias each); these tensors are int8 per channel.
         qc["bias"] = serde_json::json!(true);
         qc["modules_in_int8"] = serde_json::json!(in_int8);
     }
