@@ -116,7 +116,8 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
-            let w = QMat::from_qtensor(&qt);
+            // f16 sides at every level (whichever this CPU would choose by itself).
+            let w = QMat::with_sides(&qt, true);
             assert_eq!(w.half_sides(), half && group < cols, "{what}: f16 sides");
             modes.insert(format!("{:?}{}", w.mode, if w.half_sides() { " f16" } else { "" }));
             for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
@@ -171,7 +172,7 @@ fn integer_kernels_are_within_the_activation_quantization_bound_of_float() {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
-            let w = QMat::from_qtensor(&qt);
+            let w = QMat::with_sides(&qt, true);
             for &n in &[1usize, 5, 17] {
                 let x = random_x(n, cols, &mut seed);
                 let mut fl = vec![0.0f32; n * rows];
@@ -351,7 +352,7 @@ fn bench_kernels() {
                 (QFormat::I4, 64, false, false),
             ] {
                 let qt = random_q(m, k, format, group, bias, half, &mut seed);
-                let w = QMat::from_qtensor(&qt);
+                let w = QMat::with_sides(&qt, true);
                 let group = format!("{group}{}{}", if bias { "+bias" } else { "" }, if half { " f16" } else { "" });
                 for qs in levels() {
                     if qs == QSimd::Portable {
@@ -442,7 +443,7 @@ fn amx_dequantized_tiles_match_reference() {
             let g = if group == 0 { k } else { group };
             let q = random_q(m, k, format, g, bias, half, &mut seed);
             let deq = q.dequantize();
-            let qm = QMat::from_qtensor(&q);
+            let qm = QMat::with_sides(&q, true);
             for r in [0, m / 2, m - 1] {
                 let mut bits = vec![0u16; k];
                 qm.dequant_bf16(r, 0, &mut bits);

@@ -268,10 +268,16 @@ impl QTensor {
             && self.scales.iter().chain(self.bias.iter().flat_map(|b| b.iter())).all(|&v| is_f16_exact(v))
     }
 
-    /// Bytes of values, scales and biases (the scales and biases in f16 when
+    /// Bytes of values, scales and biases as stored (the scales and biases in f16 when
     /// [`QTensor::half_sides`]).
     pub fn nbytes(&self) -> usize {
-        let side = if self.half_sides() { 2 } else { 4 };
+        self.nbytes_served(true)
+    }
+
+    /// Bytes as a backend holds them that keeps f16 scales and biases in f16 when `half_ok`
+    /// (else in f32).
+    pub fn nbytes_served(&self, half_ok: bool) -> usize {
+        let side = if half_ok && self.half_sides() { 2 } else { 4 };
         self.q.as_slice().len() + side * self.scales.len() * (1 + usize::from(self.bias.is_some()))
     }
 
@@ -302,7 +308,11 @@ impl QPlan {
     }
     /// Bytes of a `[rows, cols]` matrix in this plan (values, scales and biases).
     pub fn nbytes(&self, rows: usize, cols: usize) -> usize {
-        let side = if self.half_sides(cols) { 2 } else { 4 };
+        self.nbytes_served(rows, cols, true)
+    }
+    /// The same, as a backend holds it that keeps f16 scales and biases in f16 when `half_ok`.
+    pub fn nbytes_served(&self, rows: usize, cols: usize, half_ok: bool) -> usize {
+        let side = if half_ok && self.half_sides(cols) { 2 } else { 4 };
         rows * self.format.row_bytes(cols) + side * rows * (cols / self.group) * (1 + usize::from(self.bias))
     }
     /// `int8-ch`, `int4-g64`, `int4-g32+bias`, ... (`ch`: one scale per row of `cols`).

@@ -165,9 +165,27 @@ impl QMat {
         }
     }
 
-    /// Repack `q` (checked with [`QMat::supports`] and `validate`), one row at a time into the
-    /// final buffer (no intermediate copy of the whole matrix).
+    /// Whether this CPU's integer kernels hold f16 scales and biases as f16
+    /// ([`QMat::from_qtensor`]): from the VNNI level up, whose decode GEMVs stream at the memory's
+    /// pace, so half the side bytes is time saved. The AVX2 and portable kernels are compute-bound
+    /// per core (an AVX2 int4 GEMV moves ~13 GB/s on one Sapphire Rapids core): there the
+    /// conversion would cost ~5 % and save nothing, so they keep the f32 values (shared with the
+    /// [`QTensor`], no copy).
+    pub fn f16_sides_pay() -> bool {
+        QSimd::detect() >= QSimd::Avx512Vnni
+    }
+
+    /// Repack `q` (checked with [`QMat::supports`] and `validate`) for this CPU
+    /// ([`QMat::f16_sides_pay`]).
     pub fn from_qtensor(q: &QTensor) -> QMat {
+        Self::with_sides(q, Self::f16_sides_pay())
+    }
+
+    /// Repack `q` (checked with [`QMat::supports`] and `validate`), one row at a time into the
+    /// final buffer (no intermediate copy of the whole matrix); its scales and biases as f16
+    /// when `half_ok` and they are f16 values ([`QTensor::half_sides`]). Every kernel level takes
+    /// either.
+    pub fn with_sides(q: &QTensor, half_ok: bool) -> QMat {
         assert!(QMat::supports(q), "QMat::from_qtensor: unsupported group {} for {} columns", q.group, q.cols);
         let (rows, cols, group) = (q.rows, q.cols, q.group);
         let kp = cols.div_ceil(QCHUNK) * QCHUNK;
@@ -211,7 +229,7 @@ impl QMat {
             }
         }
         let sidx = (0..kp / 16).map(|h| ((h * 16 / group).min(ng - 1)) as u32).collect();
-        let half = q.half_sides();
+        let half = half_ok && q.half_sides();
         QMat {
             format: q.format,
             rows,

@@ -100,8 +100,9 @@ impl PeakRss {
 }
 
 /// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
-/// norms included), and a precision label, from the checkpoint as it will be served.
-pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Result<(f64, String)> {
+/// norms included), and a precision label, from the checkpoint as it will be served
+/// (`f16_sides`: whether the backend holds f16 group scales and biases as f16).
+pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sides: bool) -> Result<(f64, String)> {
     let (cfg, w) = load::open_weights(path)?;
     let quant = quant.map(|s| s.for_layers(cfg.n_layers));
     let mut bytes = 0usize;
@@ -117,14 +118,14 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str) -> Resu
             NamedRef::W(Weight::Quant(q)) => {
                 let g = if q.group == q.cols { "ch".to_string() } else { format!("g{}", q.group) };
                 note(format!("{}-{g}{}", q.format, if q.bias.is_some() { "+bias" } else { "" }));
-                q.nbytes()
+                q.nbytes_served(f16_sides)
             }
             NamedRef::W(Weight::Float(t)) => match quant {
                 Some(spec) if !name.ends_with("g_proj.weight") => {
                     let (rows, cols) = (t.shape[0], t.shape[1]);
                     let plan = spec.plan(&name, cols)?;
                     note(plan.label(cols));
-                    plan.nbytes(rows, cols)
+                    plan.nbytes_served(rows, cols, f16_sides)
                 }
                 _ => {
                     if name.ends_with("g_proj.weight") || t.shape.len() == 1 {
@@ -152,6 +153,17 @@ fn all_logits(exec: &mut dyn spark_core::Executor, ids: &[u32]) -> Result<Vec<f3
 
 fn argmax(v: &[f32]) -> usize {
     v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
+}
+
+/// Whether the CPU backend holds f16 group scales and biases as f16 on this CPU.
+#[cfg(feature = "cpu")]
+pub fn cpu_f16_sides() -> bool {
+    backend_cpu::kernels::qmatmul::QMat::f16_sides_pay()
+}
+
+#[cfg(not(feature = "cpu"))]
+pub fn cpu_f16_sides() -> bool {
+    true
 }
 
 #[cfg(feature = "cpu")]
@@ -202,7 +214,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let quant = load::quant(&a.model)?;
-    let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name())?;
+    let f16_sides = info.backend != "cpu" || cpu_f16_sides();
+    let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name(), f16_sides)?;
     // The measured ceiling is host memory: meaningful for the CPU backend only (a GPU's HBM
     // roofline comes from its specification; see docs/BENCHMARKS.md).
     let (bw, _) = if a.n_gen > 0 && info.backend == "cpu" { roofline(l.threads) } else { (0.0, 0.0) };
