@@ -914,12 +914,11 @@ impl GgufFile {
             })
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if self.tensor("output.weight").is_some() { Some(get("output.weight", true)?) } else { None };
-        Ok(ModelWeights {
-            embedding: get("token_embd.weight", true)?,
-            layers,
-            norm: norm("output_norm.weight")?,
-            lm_head,
-        })
+        let embedding = get("token_embd.weight", true)?;
+        // Quantized files keep their norms in F32 by llama.cpp's convention: compute in bf16,
+        // as the reference does (the integer kernels quantize activations to int8 either way).
+        let compute = matches!(embedding, Weight::Quant(_)).then_some(DType::BF16);
+        Ok(ModelWeights { embedding, layers, norm: norm("output_norm.weight")?, lm_head, compute })
     }
 
     /// Tensor count and bytes per ggml type (for `spark-run info`).

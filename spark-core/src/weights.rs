@@ -405,6 +405,10 @@ pub struct ModelWeights {
     pub norm: Tensor,
     /// Present only for an untied checkpoint (or one that stores `lm_head.weight` anyway).
     pub lm_head: Option<Weight>,
+    /// The default compute type where the stored floats do not say it ([`Self::float_dtype`]):
+    /// a quantized GGUF file stores its norms in F32 by llama.cpp's convention, not because the
+    /// model computes in f32 (the reference computes in bf16).
+    pub compute: Option<DType>,
 }
 
 impl ModelWeights {
@@ -474,6 +478,7 @@ impl ModelWeights {
             layers,
             norm: norm_of("model.norm.weight")?,
             lm_head,
+            compute: None,
         })
     }
 
@@ -482,8 +487,12 @@ impl ModelWeights {
         self.lm_head.as_ref().unwrap_or(&self.embedding)
     }
 
-    /// The float type the checkpoint stores its (unquantized) tensors in.
+    /// The default compute type: [`Self::compute`] if set, else the float type the checkpoint
+    /// stores its (unquantized) tensors in.
     pub fn float_dtype(&self) -> DType {
+        if let Some(d) = self.compute {
+            return d;
+        }
         match &self.embedding {
             Weight::Float(t) => t.dtype,
             Weight::Quant(_) => self.norm.dtype,
