@@ -28,7 +28,9 @@
 //! trick wants them; VNNI flips the top bit on load); int4 per 64-column chunk as 32 bytes with
 //! element `j` in the low nibble of byte `j` and element `j + 32` in the high nibble, so one
 //! 256-bit load, a mask and a shift give the two 32-blocks in order. Scales and biases are the
-//! tensor's own (`[rows, cols / group]`); a table maps each 16-column half-block to its group,
+//! tensor's values (`[rows, cols / group]`), held as f16 when they are f16 values and this CPU's
+//! kernels gain from it ([`Side`], [`QMat::f16_sides_pay`]), else as the tensor's own f32 array;
+//! a table maps each 16-column half-block to its group,
 //! and per-row scales (`group == cols`) are applied once after the row's sum. Group sizes must
 //! be multiples of 16 ([`QMat::supports`]); the backend dequantizes others at upload.
 //!
