@@ -171,6 +171,21 @@ macro_rules! tile_shape {
 }
 pub(crate) use tile_shape;
 
+/// Calls `$run::<$f, $s, E>($args)` with `E` the type of the weight's scales and biases: f16
+/// ([`qmatmul::H16`]) when `$half`, else `f32` (the integer kernels' dispatch).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_side {
+    ($half:expr, $run:ident::<$f:ty, $s:ty>($($a:expr),*)) => {
+        if $half {
+            $run::<$f, $s, super::qmatmul::H16>($($a),*)
+        } else {
+            $run::<$f, $s, f32>($($a),*)
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use by_side;
+
 /// Streams the rows the next tile of a GEMV will read into L2 while the current tile runs, one
 /// slice per step of it. A tile's rows are a few KiB each: runs too short for the hardware
 /// prefetcher to keep a decode GEMV at the memory's pace on its own (measured: +15-25 % decode

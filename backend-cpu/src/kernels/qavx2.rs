@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{ScaleMode, SideEl, TileArgs, H16, QBLOCK};
+use super::qmatmul::{ScaleMode, SideEl, TileArgs, QBLOCK};
 
 /// How a weight format turns a 32-block into `vpmaddubsw` operands.
 trait Fmt {
@@ -212,11 +212,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
 ) {
     macro_rules! go {
         ($f:ty, $s:ty) => {
-            if half {
-                run::<$f, $s, H16>(args, r0, r1, t0, nt, tmp, ld)
-            } else {
-                run::<$f, $s, f32>(args, r0, r1, t0, nt, tmp, ld)
-            }
+            super::by_side!(half, run::<$f, $s>(args, r0, r1, t0, nt, tmp, ld))
         };
     }
     match (fmt, mode) {
