@@ -22,8 +22,9 @@
 //! given the layer count, `q_k_v_proj` and `down_proj` of llama.cpp's Q4_K_M "more bits" layers
 //! ([`more_bits_layer`]), also int8 per output channel. Scales and biases of groups shorter than
 //! the row are rounded to f16 values before the integers are chosen ([`QPlan::half_sides`]), so
-//! they are stored, and read by the kernels, in half the bytes: 5 bits per weight for the int4
-//! matrices at group 32 (4.5 at 64, 4.25 at 128) and 8 for the head (per-row scales stay f32);
+//! they are stored in half the bytes (and read so by backends that gain from it: the CPU from
+//! its VNNI level up): 5 bits per weight for the int4 matrices at group 32 (4.5 at 64, 4.25 at
+//! 128) and 8 for the head (per-row scales stay f32);
 //! the head gate `g_proj` stays as stored. Checkpoints written before this (symmetric
 //! int4 groups without bias, an int4 head) still load: the reader takes each tensor as stored.
 //! [`quantize_planned`] / [`quantize_tensor_planned`] quantize to any [`QPlan`] (symmetric int4
@@ -261,8 +262,8 @@ impl QTensor {
     }
 
     /// Whether the scales and biases are per group (not per row) and every one is exactly an
-    /// f16 value: then they are stored on disk, and read by the kernels, as f16 (what
-    /// [`quantize_planned`] writes for groups, and GGUF Q8_0 / Q4_0 give).
+    /// f16 value: then they are stored on disk as f16, and backends may hold them so (what
+    /// [`quantize_planned`] writes for groups, and GGUF Q8_0 / Q4_0 give). Scans the values.
     pub fn half_sides(&self) -> bool {
         self.groups_per_row() > 1
             && self.scales.iter().chain(self.bias.iter().flat_map(|b| b.iter())).all(|&v| is_f16_exact(v))
