@@ -63,6 +63,16 @@ fn random_q(
     t
 }
 
+/// `qt` with its scales and biases as a CPU holding f16 sides (`half`) keeps them: rounded to
+/// the nearest f16 when they fit one ([`QTensor::sides_fit_f16`]), else as they are.
+fn as_held(qt: &QTensor, half: bool) -> QTensor {
+    if !(half && qt.sides_fit_f16()) {
+        return qt.clone();
+    }
+    let round = |v: &Arc<Vec<f32>>| Arc::new(v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect::<Vec<_>>());
+    QTensor { scales: round(&qt.scales), bias: qt.bias.as_ref().map(round), ..qt.clone() }
+}
+
 /// Activations with a few large columns (outliers) and an all-zero block in token 1.
 fn random_x(n: usize, k: usize, seed: &mut u64) -> Vec<f32> {
     let mut x: Vec<f32> = (0..n * k).map(|i| unit(seed) * if (i % k) % 29 == 3 { 8.0 } else { 1.0 }).collect();
@@ -79,7 +89,8 @@ fn combos(cols: usize) -> Vec<(QFormat, usize, bool, bool, &'static str)> {
         (QFormat::I8, cols, false, false, "int8 per-row"),
         (QFormat::I8, 32, false, false, "int8 g32 f32"),
         (QFormat::I8, 32, false, true, "int8 g32 f16 (Q8_0)"),
-        (QFormat::I8, 16, false, false, "int8 g16 (Q6_K)"),
+        (QFormat::I8, 16, false, false, "int8 g16 f32"),
+        (QFormat::I8, 16, false, true, "int8 g16 f16 (Q6_K)"),
         (QFormat::I8, 32, true, false, "int8 g32+bias (Q5_K)"),
         (QFormat::I8, 48, false, true, "int8 g48 f16"),
         (QFormat::I4, 32, false, true, "int4 g32 f16 (Q4_0)"),
@@ -116,8 +127,9 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
-            // f16 sides at every level (whichever this CPU would choose by itself).
-            let w = QMat::with_sides(&qt, true);
+            // f32 or f16 sides as the combo says, at every level (whichever this CPU would
+            // choose by itself).
+            let w = QMat::with_sides(&qt, half);
             assert_eq!(w.half_sides(), half && group < cols, "{what}: f16 sides");
             modes.insert(format!("{:?}{}", w.mode, if w.half_sides() { " f16" } else { "" }));
             for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
@@ -156,10 +168,69 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
             }
         }
     }
-    // Every scale layout the kernels specialize on ran (group 32 comes as Pair and as Block),
+    // Every scale layout the kernels specialize on ran (group 32 comes as Pair and as Block,
+    // group 16 as Quad and as Half),
     // with f32 and (but per-row) f16 scales.
-    for mode in ["Row", "Chunk", "Block", "Pair", "Half", "Chunk f16", "Block f16", "Pair f16", "Half f16"] {
+    for mode in
+        ["Row", "Chunk", "Block", "Pair", "Half", "Quad", "Chunk f16", "Block f16", "Pair f16", "Half f16", "Quad f16"]
+    {
         assert!(modes.contains(mode), "no shape exercised ScaleMode::{mode} (saw {modes:?})");
+    }
+}
+
+/// Sides that are not f16 values but fit one (GGUF K-quant products `d * sc`): held as f16, the
+/// kernels compute with the rounded values exactly (against an f64 reference on a tensor with
+/// the rounded sides), and stay within f16's precision of the unrounded tensor.
+#[test]
+fn k_quant_sides_held_as_f16_compute_with_the_rounded_values() {
+    let mut seed = 23u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    for &(cols, rows) in &[(256usize, 37usize), (160, 21), (2048, 9)] {
+        for (format, group, bias, what) in [
+            (QFormat::I8, 16, false, "Q6_K-like int8 g16"),
+            (QFormat::I4, 32, true, "Q4_K-like int4 g32+bias"),
+            (QFormat::I8, 32, true, "Q5_K-like int8 g32+bias"),
+        ] {
+            let mut qt = random_q(rows, cols, format, group, bias, false, &mut seed);
+            // K-quant scales are normal f16 values in practice (a zero or subnormal one, say
+            // beside a bias near zero, keeps the tensor in f32).
+            qt.scales = Arc::new(qt.scales.iter().map(|&v| if v.abs() < 1e-3 { 0.0137 } else { v }).collect());
+            assert!(!qt.half_sides() && qt.sides_fit_f16(), "{what}: the test wants inexact sides");
+            let w = QMat::with_sides(&qt, true);
+            assert!(w.half_sides(), "{what}: held as f16");
+            let (deq, exact) = (as_held(&qt, true).dequantize(), qt.dequantize());
+            for &n in &[1usize, 4, 17] {
+                let x = random_x(n, cols, &mut seed);
+                let act = QAct::quantize(&x, n, cols, &w);
+                for qs in levels() {
+                    let mut out = vec![f32::NAN; n * rows];
+                    pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let (mut want, mut unrounded, mut mag, mut moved) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+                            for c in 0..cols {
+                                let a = act.value(t, c) as f64;
+                                let e = exact[r * cols + c] as f64;
+                                want += deq[r * cols + c] as f64 * a;
+                                unrounded += e * a;
+                                mag += (e * a).abs();
+                                // A weight `s q + b` moves by at most 2^-11 (|s q| + max(|b|,
+                                // 8 |s|)) <= 2^-11 (|w| + |b| + max(|b|, 8 |s|)).
+                                let g = r * (cols / group) + c / group;
+                                let b = qt.bias.as_ref().map_or(0.0, |v| v[g].abs() as f64);
+                                let s8 = 8.0 * qt.scales[g].abs() as f64;
+                                moved += 2f64.powi(-11) * (e.abs() + b + b.max(s8)) * a.abs();
+                            }
+                            let got = out[t * rows + r] as f64;
+                            let i = format!("{what} {qs:?} n={n} cols={cols} [{t},{r}]");
+                            assert!((got - want).abs() <= 1e-5 * mag + 1e-30, "{i}: {got} vs {want}");
+                            let bound = moved * 1.001 + 1e-5 * mag + 1e-30;
+                            assert!((got - unrounded).abs() <= bound, "{i}: {got} vs {unrounded} (bound {bound})");
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -172,7 +243,7 @@ fn integer_kernels_are_within_the_activation_quantization_bound_of_float() {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
-            let w = QMat::with_sides(&qt, true);
+            let w = QMat::with_sides(&qt, half);
             for &n in &[1usize, 5, 17] {
                 let x = random_x(n, cols, &mut seed);
                 let mut fl = vec![0.0f32; n * rows];
@@ -246,11 +317,11 @@ fn backend_repacks_quantized_weights_and_embeds_them() {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let w = b.upload_quant(&qt, WeightRole::Embedding, DType::F32).unwrap();
             assert_eq!(w.quant_format(), Some((format, group)), "{what}: not repacked for the integer kernels");
-            // Embedding rows are the exact dequantized rows.
+            // Embedding rows are the exact dequantized rows (of the scales as held).
             let ids = [0u32, 44, 7, 7];
             let mut e = b.alloc(ids.len(), cols).unwrap();
             b.embed(&w, &ids, &mut e).unwrap();
-            let deq = qt.dequantize();
+            let deq = as_held(&qt, QMat::f16_sides_pay()).dequantize();
             for (i, &id) in ids.iter().enumerate() {
                 let want = &deq[id as usize * cols..(id as usize + 1) * cols];
                 assert_eq!(&e.data[i * cols..(i + 1) * cols], want, "{what}: embedding row {id}");
@@ -350,9 +421,11 @@ fn bench_kernels() {
                 (QFormat::I4, 32, true, false),
                 (QFormat::I4, 32, true, true),
                 (QFormat::I4, 64, false, false),
+                (QFormat::I8, 16, false, false),
+                (QFormat::I8, 16, false, true),
             ] {
                 let qt = random_q(m, k, format, group, bias, half, &mut seed);
-                let w = QMat::with_sides(&qt, true);
+                let w = QMat::with_sides(&qt, half);
                 let group = format!("{group}{}{}", if bias { "+bias" } else { "" }, if half { " f16" } else { "" });
                 for qs in levels() {
                     if qs == QSimd::Portable {
@@ -443,7 +516,9 @@ fn amx_dequantized_tiles_match_reference() {
             let g = if group == 0 { k } else { group };
             let q = random_q(m, k, format, g, bias, half, &mut seed);
             let deq = q.dequantize();
-            let qm = QMat::with_sides(&q, true);
+            let qm = QMat::with_sides(&q, half);
+            // The backend holds the sides as this CPU does (rounded to f16 where they fit).
+            let held = as_held(&q, QMat::f16_sides_pay()).dequantize();
             for r in [0, m / 2, m - 1] {
                 let mut bits = vec![0u16; k];
                 qm.dequant_bf16(r, 0, &mut bits);
@@ -459,7 +534,7 @@ fn amx_dequantized_tiles_match_reference() {
             be.matmul(&xt, &w, &mut out, DType::BF16).unwrap();
             for t in 0..n {
                 for r in 0..m {
-                    let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(deq[r * k + c]) as f64).sum();
+                    let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(held[r * k + c]) as f64).sum();
                     let got = out.data[t * m + r] as f64;
                     let tol = (exact.abs() / 128.0).max(1e-3);
                     assert!(

@@ -269,16 +269,39 @@ impl QTensor {
             && self.scales.iter().chain(self.bias.iter().flat_map(|b| b.iter())).all(|&v| is_f16_exact(v))
     }
 
+    /// Whether a backend may hold the scales and biases as f16 at no more than f16's own
+    /// precision: per group (not per row); every scale exactly an f16 ([`is_f16_exact`]) or in
+    /// f16's normal range, where rounding moves it by at most 2^-11 of itself ([`fits_f16`]);
+    /// every bias likewise, or moved by at most 2^-11 of 8 times its group's scale (a bias near
+    /// zero, whose f16 is subnormal). True for everything [`QTensor::half_sides`] accepts, and
+    /// for GGUF K-quant products `d * sc` (an f16 times a 6- or 8-bit integer: up to 17
+    /// significant bits): holding those as f16 moves a weight `s q + b` by at most
+    /// `2^-11 (|s q| + max(|b|, 8 |s|))`, about 1 % of a quantization step.
+    pub fn sides_fit_f16(&self) -> bool {
+        // Scans every value (in parallel: a 1.7B-parameter model has ~10^8 of them).
+        self.groups_per_row() > 1
+            && self.scales.par_iter().with_min_len(1 << 16).all(|&v| fits_f16(v))
+            && self.bias.as_ref().is_none_or(|b| {
+                b.par_iter().zip(self.scales.par_iter()).with_min_len(1 << 16).all(|(&b, &s)| {
+                    fits_f16(b) || {
+                        let moved = (half::f16::from_f32(b).to_f32() - b).abs();
+                        b.is_finite() && moved <= 2f32.powi(-11) * 8.0 * s.abs()
+                    }
+                })
+            })
+    }
+
     /// Bytes of values, scales and biases as stored (the scales and biases in f16 when
     /// [`QTensor::half_sides`]).
     pub fn nbytes(&self) -> usize {
-        self.nbytes_served(true)
+        let side = if self.half_sides() { 2 } else { 4 };
+        self.q.as_slice().len() + side * self.scales.len() * (1 + usize::from(self.bias.is_some()))
     }
 
-    /// Bytes as a backend holds them that keeps f16 scales and biases in f16 when `half_ok`
-    /// (else in f32).
+    /// Bytes as a backend holds them that keeps scales and biases in f16 when `half_ok` and
+    /// [`QTensor::sides_fit_f16`] (else in f32).
     pub fn nbytes_served(&self, half_ok: bool) -> usize {
-        let side = if half_ok && self.half_sides() { 2 } else { 4 };
+        let side = if half_ok && self.sides_fit_f16() { 2 } else { 4 };
         self.q.as_slice().len() + side * self.scales.len() * (1 + usize::from(self.bias.is_some()))
     }
 
@@ -524,6 +547,15 @@ pub fn quantize_tensor_planned(t: &Tensor, plan: QPlan) -> Result<QTensor> {
 fn rint(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
     (x + MAGIC) - MAGIC
+}
+
+/// Whether `v` rounds to an f16 within f16's relative precision (at most 2^-11 of itself):
+/// exactly an f16 value ([`is_f16_exact`]), or in the normal range `2^-14 <= |v| <= 65504`
+/// (65504 is the largest f16; values up to 65520 would round to it too, but stay out).
+pub fn fits_f16(v: f32) -> bool {
+    const MIN_NORMAL: f32 = 6.103_515_6e-5; // 2^-14
+    let a = v.abs();
+    (MIN_NORMAL..=65504.0).contains(&a) || is_f16_exact(v)
 }
 
 /// Whether `v` is exactly a finite f16 value (so storing it as f16 loses nothing), from its
@@ -1048,6 +1080,61 @@ mod tests {
             exact += usize::from(want);
         }
         assert!(exact > 10000, "too few exact values exercised: {exact}");
+    }
+
+    /// `fits_f16` admits exactly the values whose f16 rounding stays within 2^-11 of them, and
+    /// `sides_fit_f16` holds for K-quant-like products but not for per-row scales or values
+    /// outside f16's normal range.
+    #[test]
+    fn f16_fit_bounds_the_rounding_error() {
+        let mut seed = 11u64;
+        let mut fit = 0;
+        for _ in 0..20000 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let v = f32::from_bits((seed >> 32) as u32);
+            if !v.is_finite() {
+                continue;
+            }
+            let h = half::f16::from_f32(v).to_f32();
+            if fits_f16(v) {
+                fit += 1;
+                assert!(h.is_finite() && (h - v).abs() <= v.abs() * 2f32.powi(-11), "{v:e} -> {h:e}");
+            } else {
+                assert!(!is_f16_exact(v) && (v.abs() < 2f32.powi(-14) || v.abs() > 65504.0), "{v:e}");
+            }
+        }
+        assert!(fit > 1000, "too few values in range: {fit}");
+        assert!(fits_f16(65504.0) && !fits_f16(65505.0) && fits_f16(2f32.powi(-14)) && fits_f16(2f32.powi(-24)));
+        assert!(!fits_f16(1.5 * 2f32.powi(-24)) && !fits_f16(f32::NAN) && !fits_f16(f32::INFINITY));
+        // A K-quant-like tensor: d (an f16) times 6-bit integers, 8 groups per row.
+        let d = half::f16::from_f32(0.0123).to_f32();
+        let mut t = QTensor {
+            name: "k".into(),
+            format: QFormat::I4,
+            rows: 2,
+            cols: 256,
+            group: 32,
+            q: TensorBytes::Owned(Arc::new(vec![0x88; 256])),
+            scales: Arc::new((0..16).map(|i| d * (i * 4 + 3) as f32).collect()),
+            bias: Some(Arc::new((0..16).map(|i| -d * (i + 40) as f32 * 0.37).collect())),
+        };
+        t.validate().unwrap();
+        assert!(!t.half_sides() && t.sides_fit_f16());
+        assert_eq!(t.nbytes_served(true), 256 + 2 * 32);
+        assert_eq!(t.nbytes_served(false), 256 + 4 * 32);
+        assert_eq!(t.nbytes(), 256 + 4 * 32);
+        // A bias near zero (subnormal in f16) fits beside a normal scale, not beside a zero one.
+        t.bias = Some(Arc::new((0..16).map(|i| if i == 3 { 1.234e-7 } else { -d }).collect()));
+        assert!(t.sides_fit_f16());
+        t.scales = Arc::new((0..16).map(|i| if i == 3 { 0.0 } else { d }).collect());
+        assert!(!t.sides_fit_f16());
+        t.scales = Arc::new((0..16).map(|i| if i == 5 { 1e-7 } else { d }).collect());
+        assert!(!t.sides_fit_f16());
+        // One scale per row: nothing to gain, never held as f16.
+        t.group = 256;
+        t.scales = Arc::new(vec![d, d]);
+        t.bias = None;
+        assert!(!t.sides_fit_f16());
     }
 
     #[test]

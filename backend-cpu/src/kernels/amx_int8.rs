@@ -80,12 +80,12 @@ pub fn available() -> bool {
 
 /// Whether [`matmul`] takes this weight and token count: int8 without biases (symmetric: ours
 /// and Q8_0) or int4 (biases or not), with per-row scales or groups of a multiple of 32 columns
-/// (not [`ScaleMode::Half`]: a 16-column group splits a C column), at least one full 16-row
-/// block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
+/// (not [`ScaleMode::Half`] / [`ScaleMode::Quad`]: a 16-column group splits a C column), at
+/// least one full 16-row block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
 pub fn takes(w: &QMat, n: usize) -> bool {
     let min = if w.format == QFormat::I4 { INT4_MIN_TOKENS } else { 1 };
     (w.format == QFormat::I4 || w.bias().is_none())
-        && w.mode != ScaleMode::Half
+        && !matches!(w.mode, ScaleMode::Half | ScaleMode::Quad)
         && w.rows >= 16
         && (min..=MAX_TOKENS).contains(&n)
 }

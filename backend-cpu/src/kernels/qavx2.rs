@@ -217,10 +217,10 @@ pub(crate) unsafe fn rows_tokens<'a>(
     }
     match (fmt, mode) {
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
-        (QFormat::I8, ScaleMode::Half) => go!(I8, Half),
+        (QFormat::I8, ScaleMode::Half | ScaleMode::Quad) => go!(I8, Half),
         (QFormat::I8, _) => go!(I8, Uni),
         (QFormat::I4, ScaleMode::Row) => go!(I4, PerRow),
-        (QFormat::I4, ScaleMode::Half) => go!(I4, Half),
+        (QFormat::I4, ScaleMode::Half | ScaleMode::Quad) => go!(I4, Half),
         (QFormat::I4, _) => go!(I4, Uni),
     }
 }

@@ -163,6 +163,18 @@ impl Scale for Half {
     }
 }
 
+/// One scale per 16-column half-block, the chunk's four adjacent in the row
+/// ([`ScaleMode::Quad`]).
+struct Quad;
+
+impl Scale for Quad {
+    const WIDE_SCALES: bool = true;
+    #[inline(always)]
+    unsafe fn sv<E: SideEl>(s: *const E, _sidx: *const u32, c: usize) -> __m512 {
+        _mm512_permutexvar_ps(IDX4.v, _mm512_castps128_ps512(E::quad(s, 4 * c)))
+    }
+}
+
 #[repr(C)]
 union Idx {
     a: [i32; 16],
@@ -255,10 +267,12 @@ pub(crate) unsafe fn rows_tokens<'a>(
         (QFormat::I8, ScaleMode::Block) => go!(I8, Block),
         (QFormat::I8, ScaleMode::Pair) => go!(I8, Pair),
         (QFormat::I8, ScaleMode::Half) => go!(I8, Half),
+        (QFormat::I8, ScaleMode::Quad) => go!(I8, Quad),
         (QFormat::I4, ScaleMode::Chunk) => go!(I4, Chunk),
         (QFormat::I4, ScaleMode::Block) => go!(I4, Block),
         (QFormat::I4, ScaleMode::Pair) => go!(I4, Pair),
         (QFormat::I4, ScaleMode::Half) => go!(I4, Half),
+        (QFormat::I4, ScaleMode::Quad) => go!(I4, Quad),
     }
 }
 

@@ -28,7 +28,8 @@
 //! trick wants them; VNNI flips the top bit on load); int4 per 64-column chunk as 32 bytes with
 //! element `j` in the low nibble of byte `j` and element `j + 32` in the high nibble, so one
 //! 256-bit load, a mask and a shift give the two 32-blocks in order. Scales and biases are the
-//! tensor's values (`[rows, cols / group]`), held as f16 when they are f16 values and this CPU's
+//! tensor's values (`[rows, cols / group]`), held as f16 when they fit one
+//! ([`QTensor::sides_fit_f16`]: exact, or within 2^-11 for GGUF K-quant products) and this CPU's
 //! kernels gain from it ([`Side`], [`QMat::f16_sides_pay`]), else as the tensor's own f32 array;
 //! a table maps each 16-column half-block to its group,
 //! and per-row scales (`group == cols`) are applied once after the row's sum. Group sizes must
@@ -68,14 +69,20 @@ pub enum ScaleMode {
     Pair,
     /// `group % 16 == 0`: one scale per 16-column half-block.
     Half,
+    /// `group == 16` and no column padding: [`ScaleMode::Half`] whose four scales per chunk are
+    /// adjacent in the row's scales (GGUF Q6_K: one 16- or 8-byte load instead of four table
+    /// lookups and scalar conversions).
+    Quad,
 }
 
 /// A matrix's scales or biases (`[rows, ng]`) as the kernels read them.
 pub enum Side {
     /// The [`QTensor`]'s own f32 values (shared, no copy).
     F32(Arc<Vec<f32>>),
-    /// The same values as f16 bits, when every one is exactly an f16 ([`QTensor::half_sides`]):
-    /// half the bytes per decode step, and converted back to the identical f32 values.
+    /// The same values as f16 bits, when every one fits ([`QTensor::sides_fit_f16`]): half the
+    /// bytes per decode step, converted back to the identical f32 values where they were f16
+    /// values (our own files, GGUF Q8_0 / Q4_0), else to within 2^-11 of them (GGUF K-quant
+    /// products `d * sc`).
     F16(Vec<u16>),
 }
 
@@ -140,7 +147,7 @@ pub struct QMat {
     data: Vec<u8>,
     /// Offset of the first row in `data` (64-byte aligned).
     off: usize,
-    /// `[rows, ng]`: f16 when [`QTensor::half_sides`], else shared with the [`QTensor`].
+    /// `[rows, ng]`: f16 when [`QTensor::sides_fit_f16`], else shared with the [`QTensor`].
     scales: Side,
     bias: Option<Side>,
     /// Group of each 16-column half-block, `kp / 16` entries (padding: the last group).
@@ -185,7 +192,7 @@ impl QMat {
 
     /// Repack `q` (checked with [`QMat::supports`] and `validate`), one row at a time into the
     /// final buffer (no intermediate copy of the whole matrix); its scales and biases as f16
-    /// when `half_ok` and they are f16 values ([`QTensor::half_sides`]). Every kernel level takes
+    /// when `half_ok` and they fit ([`QTensor::sides_fit_f16`]). Every kernel level takes
     /// either.
     pub fn with_sides(q: &QTensor, half_ok: bool) -> QMat {
         assert!(QMat::supports(q), "QMat::from_qtensor: unsupported group {} for {} columns", q.group, q.cols);
@@ -200,6 +207,8 @@ impl QMat {
             ScaleMode::Pair
         } else if group.is_multiple_of(32) {
             ScaleMode::Block
+        } else if group == 16 && cols == kp {
+            ScaleMode::Quad
         } else {
             ScaleMode::Half
         };
@@ -231,7 +240,7 @@ impl QMat {
             }
         }
         let sidx = (0..kp / 16).map(|h| ((h * 16 / group).min(ng - 1)) as u32).collect();
-        let half = half_ok && q.half_sides();
+        let half = half_ok && q.sides_fit_f16();
         QMat {
             format: q.format,
             rows,
@@ -603,6 +612,8 @@ pub(crate) trait SideEl: Copy {
     unsafe fn get(p: *const Self, i: usize) -> f32;
     /// Values `i` and `i + 1` in lanes 0 and 1.
     unsafe fn pair(p: *const Self, i: usize) -> std::arch::x86_64::__m128;
+    /// Values `i..i + 4` in lanes 0-3.
+    unsafe fn quad(p: *const Self, i: usize) -> std::arch::x86_64::__m128;
     /// Eight values.
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
@@ -620,6 +631,11 @@ impl SideEl for f32 {
         use std::arch::x86_64::*;
         // SAFETY: two readable values (an unaligned 8-byte load).
         unsafe { _mm_castsi128_ps(_mm_loadl_epi64(p.add(i) as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn quad(p: *const f32, i: usize) -> std::arch::x86_64::__m128 {
+        // SAFETY: four readable values (an unaligned 16-byte load).
+        unsafe { std::arch::x86_64::_mm_loadu_ps(p.add(i)) }
     }
     #[inline(always)]
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
@@ -644,6 +660,12 @@ impl SideEl for H16 {
         use std::arch::x86_64::*;
         // SAFETY: two readable values (an unaligned 4-byte load); F16C (caller).
         unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p.add(i) as *const i32))) }
+    }
+    #[inline(always)]
+    unsafe fn quad(p: *const H16, i: usize) -> std::arch::x86_64::__m128 {
+        use std::arch::x86_64::*;
+        // SAFETY: four readable values (an unaligned 8-byte load); F16C (caller).
+        unsafe { _mm_cvtph_ps(_mm_loadl_epi64(p.add(i) as *const __m128i)) }
     }
     #[inline(always)]
     unsafe fn load8(p: *const H16) -> std::arch::x86_64::__m256 {
