@@ -34,7 +34,7 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::quant::{QFormat, QTensor};
+use crate::quant::{QFormat, QPlan, QTensor};
 use crate::tokenizer::{tokens as tk, Tokenizer};
 use crate::weights::{LayerWeights, ModelWeights, Tensor, TensorBytes, Weight};
 
@@ -292,6 +292,24 @@ impl GgmlType {
             GgmlType::BF16 => Some(DType::BF16),
             _ => None,
         }
+    }
+    /// The layout [`GgufFile::weight`] converts a quantized kind to (format, group, bias),
+    /// known without converting (what `spark-run info` / `bench` count); `None` for float and
+    /// unsupported kinds.
+    pub fn served_plan(self) -> Option<QPlan> {
+        let (format, group, bias) = match self.0 {
+            8 | 9 => (QFormat::I8, 32, false),
+            15 => (QFormat::I8, 256, false),
+            2 => (QFormat::I4, 32, false),
+            3 | 12 => (QFormat::I4, 32, true),
+            6 => (QFormat::I8, 32, false),
+            7 | 13 => (QFormat::I8, 32, true),
+            10 => (QFormat::I4, 16, true),
+            11 => (QFormat::I4, 16, false),
+            14 => (QFormat::I8, 16, false),
+            _ => return None,
+        };
+        Some(QPlan { format, group, bias })
     }
     /// Whether this engine can load a matrix of this type.
     pub fn supported(self) -> bool {
@@ -858,11 +876,29 @@ impl GgufFile {
         Ok(Weight::Quant(q))
     }
 
+    /// Every tensor the file holds that a Spark-X2.5 GGUF may hold, with its checkpoint name
+    /// (`model.layers.0.mlp.down_proj.weight`, ...), without reading its data.
+    pub fn checkpoint_tensors(&self, n_layers: usize) -> Vec<(String, &TensorInfo)> {
+        gguf_names(n_layers).into_iter().filter_map(|(g, h)| self.tensor(&g).map(|t| (h, t))).collect()
+    }
+
     /// The Spark-X2.5 tensors, every one present with the shape `cfg` implies and nothing
     /// unexpected left over; named as in a safetensors checkpoint (`model.embedding.weight`, ...).
     pub fn weights(&self, cfg: &ModelConfig) -> Result<ModelWeights> {
-        let expected = cfg.expected_tensors();
-        let shape_of: HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
+        self.check_tensors(cfg)?;
+        let layers = (0..cfg.n_layers).map(|i| self.layer_weights(cfg, i)).collect::<Result<Vec<_>>>()?;
+        Ok(ModelWeights {
+            embedding: self.checked(cfg, "token_embd.weight", true)?,
+            layers,
+            norm: self.norm_weight(cfg, "output_norm.weight")?,
+            lm_head: self.lm_head_weight(cfg)?,
+            compute: self.compute_dtype(),
+        })
+    }
+
+    /// Every tensor's header against `cfg` (names, shapes, norm types), reading no data: what
+    /// [`GgufFile::weights`] checks before converting anything.
+    pub fn check_tensors(&self, cfg: &ModelConfig) -> Result<()> {
         let names = gguf_names(cfg.n_layers);
         let known: HashMap<&str, &str> = names.iter().map(|(g, h)| (g.as_str(), h.as_str())).collect();
         if let Some(u) = self.tensors.iter().find(|t| !known.contains_key(t.name.as_str())) {
@@ -872,10 +908,18 @@ impl GgufFile {
                 u.kind.name()
             )));
         }
-        let get = |g: &str, matrix: bool| -> Result<Weight> {
-            let hf = known[g];
-            let want = shape_of.get(hf).copied().ok_or_else(|| self.err(format!("unexpected tensor '{g}'")))?;
-            let t = self.tensor(g).ok_or_else(|| self.err(format!("is missing tensor '{g}'")))?;
+        let expected = cfg.expected_tensors();
+        let shape_of: HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
+        for (g, hf) in &names {
+            let required = g != "output.weight";
+            let Some(t) = self.tensor(g) else {
+                if required {
+                    return Err(self.err(format!("is missing tensor '{g}'")));
+                }
+                continue;
+            };
+            let want =
+                shape_of.get(hf.as_str()).copied().ok_or_else(|| self.err(format!("unexpected tensor '{g}'")))?;
             if &t.shape() != want {
                 return Err(self.err(format!(
                     "tensor '{g}' has GGUF dims {:?} (shape {:?}), but the metadata implies shape {want:?}",
@@ -883,42 +927,81 @@ impl GgufFile {
                     t.shape()
                 )));
             }
-            if !matrix && t.kind.float().is_none() {
+            if want.len() == 1 && t.kind.float().is_none() {
                 return Err(Error::unsupported(format!(
                     "{}: tensor '{g}' is {}; norm weights must be F32, F16 or BF16",
                     self.path.display(),
                     t.kind.name()
                 )));
             }
-            self.weight(g, hf)
-        };
-        let norm = |g: &str| -> Result<Tensor> {
-            match get(g, false)? {
-                Weight::Float(t) => Ok(t),
-                Weight::Quant(_) => Err(self.err(format!("tensor '{g}' must be a float tensor"))),
-            }
-        };
-        let layers = (0..cfg.n_layers)
-            .map(|i| {
-                let b = |s: &str| format!("blk.{i}.{s}.weight");
-                Ok(LayerWeights {
-                    attn_norm: norm(&b("attn_norm"))?,
-                    qkv: get(&b("attn_qkv"), true)?,
-                    gate: get(&b("attn_gate"), true)?,
-                    out: get(&b("attn_output"), true)?,
-                    mlp_norm: norm(&b("ffn_norm"))?,
-                    mlp_gate: get(&b("ffn_gate"), true)?,
-                    mlp_up: get(&b("ffn_up"), true)?,
-                    mlp_down: get(&b("ffn_down"), true)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let lm_head = if self.tensor("output.weight").is_some() { Some(get("output.weight", true)?) } else { None };
-        let embedding = get("token_embd.weight", true)?;
-        // Quantized files keep their norms in F32 by llama.cpp's convention: compute in bf16,
-        // as the reference does (the integer kernels quantize activations to int8 either way).
-        let compute = matches!(embedding, Weight::Quant(_)).then_some(DType::BF16);
-        Ok(ModelWeights { embedding, layers, norm: norm("output_norm.weight")?, lm_head, compute })
+        }
+        Ok(())
+    }
+
+    /// Tensor `g` as its checkpoint-named weight (converted if quantized), checked first.
+    fn checked(&self, cfg: &ModelConfig, g: &str, matrix: bool) -> Result<Weight> {
+        let hf = gguf_names(cfg.n_layers)
+            .into_iter()
+            .find(|(n, _)| n == g)
+            .map(|(_, h)| h)
+            .ok_or_else(|| self.err(format!("unexpected tensor '{g}'")))?;
+        let t = self.tensor(g).ok_or_else(|| self.err(format!("is missing tensor '{g}'")))?;
+        let want = cfg.expected_tensors().into_iter().find(|(n, _)| *n == hf).map(|(_, s)| s);
+        if want.as_ref() != Some(&t.shape()) {
+            return Err(self.err(format!("tensor '{g}' has GGUF dims {:?}, not the shape {want:?}", t.dims)));
+        }
+        if !matrix && t.kind.float().is_none() {
+            return Err(Error::unsupported(format!(
+                "{}: tensor '{g}' is {}; norm weights must be F32, F16 or BF16",
+                self.path.display(),
+                t.kind.name()
+            )));
+        }
+        self.weight(g, &hf)
+    }
+
+    /// A norm vector `g` (a float tensor).
+    pub fn norm_weight(&self, cfg: &ModelConfig, g: &str) -> Result<Tensor> {
+        match self.checked(cfg, g, false)? {
+            Weight::Float(t) => Ok(t),
+            Weight::Quant(_) => Err(self.err(format!("tensor '{g}' must be a float tensor"))),
+        }
+    }
+
+    /// Layer `i`'s weights, converted now (one layer's worth of memory).
+    pub fn layer_weights(&self, cfg: &ModelConfig, i: usize) -> Result<LayerWeights> {
+        let b = |s: &str| format!("blk.{i}.{s}.weight");
+        Ok(LayerWeights {
+            attn_norm: self.norm_weight(cfg, &b("attn_norm"))?,
+            qkv: self.checked(cfg, &b("attn_qkv"), true)?,
+            gate: self.checked(cfg, &b("attn_gate"), true)?,
+            out: self.checked(cfg, &b("attn_output"), true)?,
+            mlp_norm: self.norm_weight(cfg, &b("ffn_norm"))?,
+            mlp_gate: self.checked(cfg, &b("ffn_gate"), true)?,
+            mlp_up: self.checked(cfg, &b("ffn_up"), true)?,
+            mlp_down: self.checked(cfg, &b("ffn_down"), true)?,
+        })
+    }
+
+    /// The token embedding, converted now.
+    pub fn embedding_weight(&self, cfg: &ModelConfig) -> Result<Weight> {
+        self.checked(cfg, "token_embd.weight", true)
+    }
+
+    /// The untied output head, if the file has one, converted now.
+    pub fn lm_head_weight(&self, cfg: &ModelConfig) -> Result<Option<Weight>> {
+        if self.tensor("output.weight").is_none() {
+            return Ok(None);
+        }
+        self.checked(cfg, "output.weight", true).map(Some)
+    }
+
+    /// The compute type the file implies ([`ModelWeights::compute`]): bf16 when the embedding
+    /// is quantized (such files keep their norms in F32 by llama.cpp's convention, not because
+    /// the model computes in f32: the reference computes in bf16), else none.
+    pub fn compute_dtype(&self) -> Option<DType> {
+        let quantized = self.tensor("token_embd.weight").is_some_and(|t| t.kind.float().is_none());
+        quantized.then_some(DType::BF16)
     }
 
     /// Tensor count and bytes per ggml type (for `spark-run info`).
@@ -1127,30 +1210,54 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
-/// [`convert_blocks`] on up to one chunk of whole blocks per core (large tensors only).
+/// [`convert_blocks`] over a whole tensor, on up to one thread per core (large tensors only).
+///
+/// The output arrays are allocated once, here, at their final size; each thread fills its part
+/// a few hundred blocks at a time through small temporaries. (Threads that built whole-part
+/// vectors and appended them left ~1 GB of freed memory in the threads' malloc arenas while
+/// loading a 1.7B model, which the allocator did not give back.)
 fn convert_parallel(kind: GgmlType, data: &[u8]) -> Option<Converted> {
+    /// Blocks per temporary: 512 Q4_K blocks are 128K weights, 64 KiB of nibbles.
+    const SUB: usize = 512;
     let (_, bs) = kind.block()?;
     let nb = data.len() / bs;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(nb / 4096).max(1);
-    if threads == 1 {
+    if nb <= SUB {
         return convert_blocks(kind, data);
     }
-    let parts: Vec<Option<Converted>> = std::thread::scope(|s| {
-        let handles: Vec<_> =
-            data.chunks(nb.div_ceil(threads) * bs).map(|c| s.spawn(move || convert_blocks(kind, c))).collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    });
-    let mut parts = parts.into_iter();
-    let mut all = parts.next()??;
-    for p in parts {
-        let p = p?;
-        all.q.extend_from_slice(&p.q);
-        all.scales.extend_from_slice(&p.scales);
-        if let (Some(a), Some(b)) = (all.bias.as_mut(), p.bias) {
-            a.extend_from_slice(&b);
+    // The per-block sizes, from the first block.
+    let one = convert_blocks(kind, &data[..bs])?;
+    let (qpb, spb, has_bias) = (one.q.len(), one.scales.len(), one.bias.is_some());
+    let mut q = vec![0u8; nb * qpb];
+    let mut scales = vec![0f32; nb * spb];
+    let mut bias = if has_bias { vec![0f32; nb * spb] } else { Vec::new() };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(nb / 4096).max(1);
+    let per = nb.div_ceil(threads);
+    let fill = |data: &[u8], q: &mut [u8], s: &mut [f32], b: &mut [f32]| -> Option<()> {
+        for (i, sub) in data.chunks(SUB * bs).enumerate() {
+            let c = convert_blocks(kind, sub)?;
+            let (nq, ns) = (sub.len() / bs * qpb, sub.len() / bs * spb);
+            q[i * SUB * qpb..][..nq].copy_from_slice(&c.q);
+            s[i * SUB * spb..][..ns].copy_from_slice(&c.scales);
+            if let Some(m) = c.bias {
+                b[i * SUB * spb..][..ns].copy_from_slice(&m);
+            }
         }
-    }
-    Some(all)
+        Some(())
+    };
+    let ok = std::thread::scope(|sc| {
+        let (mut qr, mut sr, mut br) = (&mut q[..], &mut scales[..], &mut bias[..]);
+        let mut handles = Vec::new();
+        for part in data.chunks(per * bs) {
+            let n = part.len() / bs;
+            let (qa, qrest) = std::mem::take(&mut qr).split_at_mut(n * qpb);
+            let (sa, srest) = std::mem::take(&mut sr).split_at_mut(n * spb);
+            let (ba, brest) = std::mem::take(&mut br).split_at_mut(if has_bias { n * spb } else { 0 });
+            (qr, sr, br) = (qrest, srest, brest);
+            handles.push(sc.spawn(move || fill(part, qa, sa, ba)));
+        }
+        handles.into_iter().all(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)).is_some())
+    });
+    ok.then(|| Converted { format: one.format, group: one.group, q, scales, bias: has_bias.then_some(bias) })
 }
 
 /// Convert the blocks of a quantized tensor (`data` holds whole blocks, checked by the
@@ -1564,6 +1671,8 @@ mod tests {
             };
             assert_eq!(kind.name(), name);
             let c = convert_blocks(kind, &synth_bytes(kind, f16s)).unwrap();
+            let plan = QPlan { format: c.format, group: c.group, bias: c.bias.is_some() };
+            assert_eq!(kind.served_plan(), Some(plan), "{name}: served_plan vs the conversion");
             let t = QTensor {
                 name: name.into(),
                 format: c.format,
@@ -1593,11 +1702,15 @@ mod tests {
         b[4] = (-3i8) as u8;
         b[259] = 7;
         let c = convert_blocks(GgmlType::Q8_K, &b).unwrap();
+        assert_eq!(GgmlType::Q8_K.served_plan(), Some(QPlan { format: c.format, group: 256, bias: false }));
         assert_eq!((c.group, c.scales.clone(), c.q[0] as i8, c.q[255] as i8), (256, vec![0.5], -3, 7));
         let mut b = vec![0u8; 36];
         b[0..2].copy_from_slice(&half::f16::from_f32(0.25).to_bits().to_le_bytes());
         b[4] = 9;
         let c = convert_blocks(GgmlType::Q8_1, &b).unwrap();
+        assert_eq!(GgmlType::Q8_1.served_plan(), Some(QPlan { format: c.format, group: 32, bias: c.bias.is_some() }));
+        assert_eq!(GgmlType::BF16.served_plan(), None);
+        assert_eq!(GgmlType::IQ4_NL.served_plan(), None);
         assert_eq!((c.group, c.scales.clone(), c.q[0] as i8), (32, vec![0.25], 9));
     }
 

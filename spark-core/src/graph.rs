@@ -11,10 +11,11 @@ use crate::backend::{AttnChunk, AttnShape, Backend, Executor, ExecutorInfo, Logi
 use crate::config::{LayerType, ModelConfig};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::gguf::GgufFile;
 use crate::kv::KvSpec;
 use crate::quant::{quantize_tensor, QuantSpec};
 use crate::rope::RopeTable;
-use crate::weights::{Checkpoint, ModelWeights, Weight};
+use crate::weights::{Checkpoint, LayerWeights, ModelWeights, Tensor, Weight};
 
 /// How to serve a model.
 #[derive(Debug, Clone, Default)]
@@ -61,24 +62,116 @@ pub struct Model<B: Backend> {
     seqs: HashMap<u64, Seq<B>>,
 }
 
+/// Where [`Model::upload`] takes the weights from, one piece at a time (each handed over, so
+/// the host copy is dropped as soon as it is uploaded). Layers are asked for in order.
+trait WeightSource {
+    /// The default compute type ([`ModelWeights::float_dtype`]).
+    fn float_dtype(&self) -> DType;
+    fn layer(&mut self, i: usize) -> Result<LayerWeights>;
+    fn embedding(&mut self) -> Result<Weight>;
+    fn lm_head(&mut self) -> Result<Option<Weight>>;
+    fn norm(&mut self) -> Result<Tensor>;
+}
+
+/// Weights already in memory ([`ModelWeights`]), handed over piece by piece.
+struct OwnedSource {
+    dtype: DType,
+    embedding: Option<Weight>,
+    layers: std::vec::IntoIter<LayerWeights>,
+    norm: Option<Tensor>,
+    lm_head: Option<Weight>,
+}
+
+impl WeightSource for OwnedSource {
+    fn float_dtype(&self) -> DType {
+        self.dtype
+    }
+    fn layer(&mut self, i: usize) -> Result<LayerWeights> {
+        self.layers.next().ok_or_else(|| Error::invalid(format!("the weights have no layer {i}")))
+    }
+    fn embedding(&mut self) -> Result<Weight> {
+        self.embedding.take().ok_or_else(|| Error::internal("embedding taken twice"))
+    }
+    fn lm_head(&mut self) -> Result<Option<Weight>> {
+        Ok(self.lm_head.take())
+    }
+    fn norm(&mut self) -> Result<Tensor> {
+        self.norm.take().ok_or_else(|| Error::internal("final norm taken twice"))
+    }
+}
+
+/// A GGUF file whose headers [`GgufFile::check_tensors`] accepted: each tensor converted when
+/// asked for.
+struct GgufSource<'a> {
+    file: &'a GgufFile,
+    cfg: ModelConfig,
+}
+
+impl WeightSource for GgufSource<'_> {
+    fn float_dtype(&self) -> DType {
+        self.file.compute_dtype().unwrap_or_else(|| {
+            let emb = self.file.tensor("token_embd.weight").and_then(|t| t.kind.float());
+            let norm = self.file.tensor("output_norm.weight").and_then(|t| t.kind.float());
+            emb.or(norm).unwrap_or(DType::F32)
+        })
+    }
+    fn layer(&mut self, i: usize) -> Result<LayerWeights> {
+        self.file.layer_weights(&self.cfg, i)
+    }
+    fn embedding(&mut self) -> Result<Weight> {
+        self.file.embedding_weight(&self.cfg)
+    }
+    fn lm_head(&mut self) -> Result<Option<Weight>> {
+        self.file.lm_head_weight(&self.cfg)
+    }
+    fn norm(&mut self) -> Result<Tensor> {
+        self.file.norm_weight(&self.cfg, "output_norm.weight")
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// Load `config.json` and the safetensors of a checkpoint directory.
     /// A `.gguf` file (see [`crate::gguf`]) is loaded as well.
     pub fn load(backend: B, dir: &Path, opts: &ModelOptions) -> Result<Self> {
         if crate::gguf::is_gguf(dir) {
-            let (cfg, weights) = crate::gguf::load(dir)?;
-            return Self::new(backend, cfg, &weights, opts);
+            // Headers checked first; each tensor converted only when its turn to upload comes.
+            let file = GgufFile::open(dir)?;
+            let cfg = file.config()?;
+            file.check_tensors(&cfg)?;
+            let src = GgufSource { file: &file, cfg: cfg.clone() };
+            return Self::upload(backend, cfg, src, opts);
         }
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         let weights = ModelWeights::from_checkpoint(&ckpt, &cfg)
             .map_err(|e| Error::new(e.kind, format!("{}: {}", dir.display(), e.message)))?;
-        Self::new(backend, cfg, &weights, opts)
+        Self::from_weights(backend, cfg, weights, opts)
     }
 
-    /// Upload validated weights to `backend`.
+    /// Upload validated weights to `backend` (the caller keeps its copy: see
+    /// [`Model::from_weights`] for the load-time memory peak).
     pub fn new(backend: B, cfg: ModelConfig, w: &ModelWeights, opts: &ModelOptions) -> Result<Self> {
-        let dtype = opts.dtype.unwrap_or(w.float_dtype());
+        // A clone shares every tensor's bytes (reference-counted), so this costs no copy.
+        Self::from_weights(backend, cfg, w.clone(), opts)
+    }
+
+    /// Upload validated weights to `backend`, dropping each layer's host copy as soon as it is
+    /// uploaded: where that copy is anonymous memory (the f32 scales of a quantized checkpoint),
+    /// the load peak is about the larger of the two copies plus one layer, not their sum;
+    /// mapped file bytes cost nothing either way. ([`Model::load`] goes further for a GGUF file:
+    /// it converts each tensor only when it is uploaded.)
+    pub fn from_weights(backend: B, cfg: ModelConfig, w: ModelWeights, opts: &ModelOptions) -> Result<Self> {
+        let dtype = w.float_dtype();
+        let ModelWeights { embedding, layers, norm, lm_head, .. } = w;
+        let src =
+            OwnedSource { dtype, embedding: Some(embedding), layers: layers.into_iter(), norm: Some(norm), lm_head };
+        Self::upload(backend, cfg, src, opts)
+    }
+
+    /// Upload the weights `src` hands out: the embedding, the head, then one layer at a time
+    /// and the final norm, each host copy dropped (and its memory given back) once uploaded.
+    fn upload(backend: B, cfg: ModelConfig, mut src: impl WeightSource, opts: &ModelOptions) -> Result<Self> {
+        let dtype = opts.dtype.unwrap_or(src.float_dtype());
         let ctx = opts.ctx.unwrap_or(cfg.max_positions.min(4096));
         if ctx == 0 || ctx > cfg.max_positions {
             return Err(Error::invalid(format!(
@@ -96,30 +189,34 @@ impl<B: Backend> Model<B> {
             (Weight::Float(t), _) => b.upload_weight(t, role, dtype),
         };
         let up = |w: &Weight, role| up_q(w, role, true);
-        let layers = w
-            .layers
-            .iter()
-            .zip(&cfg.layer_types)
-            .map(|(l, &kind)| {
-                Ok(LayerW {
-                    kind,
-                    attn_norm: b.upload_weight(&l.attn_norm, WeightRole::Norm, DType::F32)?,
-                    qkv: up(&l.qkv, WeightRole::Matrix)?,
-                    gate: up_q(&l.gate, WeightRole::Matrix, false)?,
-                    out: up(&l.out, WeightRole::Matrix)?,
-                    mlp_norm: b.upload_weight(&l.mlp_norm, WeightRole::Norm, DType::F32)?,
-                    mlp_gate: up(&l.mlp_gate, WeightRole::Matrix)?,
-                    mlp_up: up(&l.mlp_up, WeightRole::Matrix)?,
-                    mlp_down: up(&l.mlp_down, WeightRole::Matrix)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let embedding = up(&w.embedding, WeightRole::Embedding)?;
-        let head = match &w.lm_head {
-            Some(t) => Some(up(t, WeightRole::Matrix)?),
+        // The embedding (the largest matrix) first: while it is converted and repacked, nothing
+        // else is resident yet, so the two copies of it do not add to the whole model.
+        let embedding = up(&src.embedding()?, WeightRole::Embedding)?;
+        crate::memory::release_free_heap();
+        let head = match src.lm_head()? {
+            Some(t) => Some(up(&t, WeightRole::Matrix)?),
             None => None,
         };
-        let norm = b.upload_weight(&w.norm, WeightRole::Norm, DType::F32)?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for (i, &kind) in cfg.layer_types.iter().enumerate() {
+            let l = src.layer(i)?;
+            layers.push(LayerW {
+                kind,
+                attn_norm: b.upload_weight(&l.attn_norm, WeightRole::Norm, DType::F32)?,
+                qkv: up(&l.qkv, WeightRole::Matrix)?,
+                gate: up_q(&l.gate, WeightRole::Matrix, false)?,
+                out: up(&l.out, WeightRole::Matrix)?,
+                mlp_norm: b.upload_weight(&l.mlp_norm, WeightRole::Norm, DType::F32)?,
+                mlp_gate: up(&l.mlp_gate, WeightRole::Matrix)?,
+                mlp_up: up(&l.mlp_up, WeightRole::Matrix)?,
+                mlp_down: up(&l.mlp_down, WeightRole::Matrix)?,
+            });
+            // This layer's host copy is gone: give its memory back before the next.
+            drop(l);
+            crate::memory::release_free_heap();
+        }
+        let norm = b.upload_weight(&src.norm()?, WeightRole::Norm, DType::F32)?;
+        crate::memory::release_free_heap();
         let ropes = [
             b.upload_rope(&RopeTable::new(cfg.rope_for(LayerType::Sliding), ctx))?,
             b.upload_rope(&RopeTable::new(cfg.rope_for(LayerType::Full), ctx))?,

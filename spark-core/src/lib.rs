@@ -7,6 +7,7 @@
 //!   losslessly to [`quant`] matrices), tokenizer and chat template.
 //! - [`backend`]: the op-level `Backend` trait and the step-level `Executor` trait.
 //! - [`graph`]: THE hybrid decoder, written once over any `Backend`.
+//! - [`memory`]: giving freed heap memory back to the OS while a model loads.
 //! - [`kv`]: KV-cache layout (sliding layers a ring of `window`, full layers grow) and accounting.
 //! - [`rope`]: per-layer-type rotary tables sized to the served context.
 //! - [`sample`]: logits processors and seeded samplers.
@@ -24,6 +25,7 @@ pub mod error;
 pub mod gguf;
 pub mod graph;
 pub mod kv;
+pub mod memory;
 pub mod plugin;
 pub mod quant;
 pub mod rope;

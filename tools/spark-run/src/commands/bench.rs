@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use spark_core::gguf::{is_gguf, GgufFile};
 use spark_core::quant::{snr_db, QuantSpec};
 use spark_core::sample::Xoshiro256;
 use spark_core::weights::{NamedRef, Weight};
@@ -102,9 +103,20 @@ impl PeakRss {
 /// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
 /// norms included), and a precision label, from the checkpoint as it will be served
 /// (`f16_sides`: whether the backend holds f16 group scales and biases as f16).
+///
+/// A GGUF file is counted from its tensor headers ([`GgmlType::served_plan`]), without
+/// converting its blocks; its K-quants' group scales count as f16 when `f16_sides`, as the
+/// backend holds them when they fit an f16 (`QTensor::sides_fit_f16`, true of real files).
 pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sides: bool) -> Result<(f64, String)> {
-    let (cfg, w) = load::open_weights(path)?;
-    let quant = quant.map(|s| s.for_layers(cfg.n_layers));
+    let gguf = if is_gguf(path) { Some(GgufFile::open(path)?) } else { None };
+    let (n_layers, weights) = match &gguf {
+        Some(f) => (f.config()?.n_layers, None),
+        None => {
+            let (cfg, w) = load::open_weights(path)?;
+            (cfg.n_layers, Some(w))
+        }
+    };
+    let quant = quant.map(|s| s.for_layers(n_layers));
     let mut bytes = 0usize;
     let mut kinds: Vec<String> = vec![];
     let mut note = |k: String| {
@@ -112,32 +124,48 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sid
             kinds.push(k);
         }
     };
-    for (name, r) in w.named() {
-        let b = match r {
-            NamedRef::T(t) => t.bytes().len(),
-            NamedRef::W(Weight::Quant(q)) => {
-                let g = if q.group == q.cols { "ch".to_string() } else { format!("g{}", q.group) };
-                note(format!("{}-{g}{}", q.format, if q.bias.is_some() { "+bias" } else { "" }));
-                q.nbytes_served(f16_sides)
+    // A float matrix or vector: `stored` bytes as they are, or quantized while loading.
+    let float = |name: &str, shape: &[usize], stored: usize, note: &mut dyn FnMut(String)| -> Result<usize> {
+        let matrix = shape.len() == 2 && !name.ends_with("g_proj.weight");
+        Ok(match quant {
+            Some(spec) if matrix => {
+                let (rows, cols) = (shape[0], shape[1]);
+                let plan = spec.plan(name, cols)?;
+                note(plan.label(cols));
+                plan.nbytes_served(rows, cols, f16_sides)
             }
-            NamedRef::W(Weight::Float(t)) => match quant {
-                Some(spec) if !name.ends_with("g_proj.weight") => {
-                    let (rows, cols) = (t.shape[0], t.shape[1]);
-                    let plan = spec.plan(&name, cols)?;
-                    note(plan.label(cols));
-                    plan.nbytes_served(rows, cols, f16_sides)
+            _ => {
+                if matrix {
+                    note(compute.to_string());
                 }
-                _ => {
-                    if name.ends_with("g_proj.weight") || t.shape.len() == 1 {
-                        t.bytes().len()
-                    } else {
-                        note(compute.to_string());
-                        t.numel() * t.dtype.size()
-                    }
+                stored
+            }
+        })
+    };
+    if let Some(f) = &gguf {
+        for (name, t) in f.checkpoint_tensors(n_layers) {
+            let shape = t.shape();
+            bytes += match t.kind.served_plan() {
+                Some(plan) if shape.len() == 2 => {
+                    note(plan.label(shape[1]));
+                    plan.nbytes_served(shape[0], shape[1], f16_sides)
                 }
-            },
-        };
-        bytes += b;
+                _ => float(&name, &shape, t.nbytes(), &mut note)?,
+            };
+        }
+    }
+    if let Some(w) = &weights {
+        for (name, r) in w.named() {
+            bytes += match r {
+                NamedRef::T(t) => t.bytes().len(),
+                NamedRef::W(Weight::Quant(q)) => {
+                    let g = if q.group == q.cols { "ch".to_string() } else { format!("g{}", q.group) };
+                    note(format!("{}-{g}{}", q.format, if q.bias.is_some() { "+bias" } else { "" }));
+                    q.nbytes_served(f16_sides)
+                }
+                NamedRef::W(Weight::Float(t)) => float(&name, &t.shape, t.bytes().len(), &mut note)?,
+            };
+        }
     }
     let act = if kinds.iter().any(|k| k.starts_with("int")) { format!(" (act {compute})") } else { String::new() };
     Ok((bytes as f64, format!("{}{act}", kinds.join("+"))))
