@@ -35,7 +35,11 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let (cfg, stored, total_bytes) = match &gguf {
         Some(g) => {
             let cfg = g.config()?;
-            let stored = g.tensor("token_embd.weight").and_then(|t| t.kind.float()).unwrap_or(cfg.dtype);
+            // A quantized file computes in bf16 ([`GgufFile::compute_dtype`]).
+            let stored = g
+                .compute_dtype()
+                .or_else(|| g.tensor("token_embd.weight").and_then(|t| t.kind.float()))
+                .unwrap_or(cfg.dtype);
             (cfg, stored, g.data_bytes() as u64)
         }
         None => {
