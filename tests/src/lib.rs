@@ -15,7 +15,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use spark_core::{Executor, LogitsMode, SeqStep};
+use spark_core::config::LayerType;
+use spark_core::gguf::{Value, ValueType};
+use spark_core::{Executor, LogitsMode, ModelConfig, SeqStep};
 
 /// The golden prompts.
 pub const PROMPTS: [&str; 3] = ["p0", "p1", "p2"];
@@ -345,6 +347,66 @@ pub fn check_bf16_parity(m: &mut dyn Executor, gold: &Golden, tol: Bf16Tol, labe
             r.greedy_worst_gap
         );
     }
+}
+
+/// `spark2_5` metadata for a config, as llama.cpp's converter writes it (GGUF test files).
+pub fn gguf_metadata(cfg: &ModelConfig, arch: &str) -> Vec<(String, Value)> {
+    let k = |s: &str| format!("{arch}.{s}");
+    let u = |v: usize| Value::U32(v as u32);
+    let (swa, full) = (cfg.rope_for(LayerType::Sliding), cfg.rope_for(LayerType::Full));
+    vec![
+        ("general.architecture".to_string(), Value::Str(arch.into())),
+        ("general.name".into(), Value::Str("m8".into())),
+        (k("block_count"), u(cfg.n_layers)),
+        (k("context_length"), u(cfg.max_positions)),
+        (k("embedding_length"), u(cfg.hidden)),
+        (k("feed_forward_length"), u(cfg.intermediate)),
+        (k("attention.head_count"), u(cfg.n_heads)),
+        (k("attention.head_count_kv"), u(cfg.n_kv_heads)),
+        (k("rope.freq_base"), Value::F32(full.theta as f32)),
+        (k("rope.freq_base_swa"), Value::F32(swa.theta as f32)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_eps)),
+        (k("attention.key_length"), u(cfg.head_dim)),
+        (k("attention.value_length"), u(cfg.head_dim)),
+        (k("vocab_size"), u(cfg.vocab)),
+        (k("attention.sliding_window"), u(cfg.sliding_window)),
+        (
+            k("attention.sliding_window_pattern"),
+            Value::Array(
+                ValueType::Bool,
+                cfg.layer_types.iter().map(|&t| Value::Bool(t == LayerType::Sliding)).collect(),
+            ),
+        ),
+        (k("rope.dimension_count"), u(full.rot_dims)),
+        (k("rope.dimension_count_swa"), u(swa.rot_dims)),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(cfg.bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(cfg.eos[0])),
+        ("tokenizer.ggml.padding_token_id".into(), Value::U32(cfg.pad.unwrap_or(2))),
+    ]
+}
+
+/// The GGUF name of a checkpoint tensor.
+pub fn gguf_tensor_name(hf: &str) -> String {
+    match hf {
+        "model.embedding.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").unwrap();
+    let (i, part) = rest.split_once('.').unwrap();
+    let g = match part {
+        "input_layernorm.weight" => "attn_norm",
+        "self_attn.q_k_v_proj.weight" => "attn_qkv",
+        "self_attn.g_proj.weight" => "attn_gate",
+        "self_attn.out_proj.weight" => "attn_output",
+        "post_attention_layernorm.weight" => "ffn_norm",
+        "mlp.gate_proj.weight" => "ffn_gate",
+        "mlp.up_proj.weight" => "ffn_up",
+        "mlp.down_proj.weight" => "ffn_down",
+        other => panic!("unexpected tensor {other}"),
+    };
+    format!("blk.{i}.{g}.weight")
 }
 
 #[cfg(test)]

@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 
 use backend_cpu::CpuBackend;
 use common::*;
-use spark_core::config::LayerType;
-use spark_core::gguf::{self, GgmlType, GgufFile, Value, ValueType, WriteTensor};
+use spark_core::gguf::{self, GgmlType, GgufFile, Value, WriteTensor};
 use spark_core::tokenizer::Tokenizer;
 use spark_core::weights::{Checkpoint, Weight};
 use spark_core::{DType, Executor, LogitsMode, Model, ModelConfig, ModelOptions, SeqStep};
@@ -30,66 +29,6 @@ fn load(path: &Path) -> Model<CpuBackend> {
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// `spark2_5` metadata for a config, as llama.cpp's converter writes it.
-fn metadata(cfg: &ModelConfig, arch: &str) -> Vec<(String, Value)> {
-    let k = |s: &str| format!("{arch}.{s}");
-    let u = |v: usize| Value::U32(v as u32);
-    let (swa, full) = (cfg.rope_for(LayerType::Sliding), cfg.rope_for(LayerType::Full));
-    vec![
-        ("general.architecture".to_string(), Value::Str(arch.into())),
-        ("general.name".into(), Value::Str("m8".into())),
-        (k("block_count"), u(cfg.n_layers)),
-        (k("context_length"), u(cfg.max_positions)),
-        (k("embedding_length"), u(cfg.hidden)),
-        (k("feed_forward_length"), u(cfg.intermediate)),
-        (k("attention.head_count"), u(cfg.n_heads)),
-        (k("attention.head_count_kv"), u(cfg.n_kv_heads)),
-        (k("rope.freq_base"), Value::F32(full.theta as f32)),
-        (k("rope.freq_base_swa"), Value::F32(swa.theta as f32)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_eps)),
-        (k("attention.key_length"), u(cfg.head_dim)),
-        (k("attention.value_length"), u(cfg.head_dim)),
-        (k("vocab_size"), u(cfg.vocab)),
-        (k("attention.sliding_window"), u(cfg.sliding_window)),
-        (
-            k("attention.sliding_window_pattern"),
-            Value::Array(
-                ValueType::Bool,
-                cfg.layer_types.iter().map(|&t| Value::Bool(t == LayerType::Sliding)).collect(),
-            ),
-        ),
-        (k("rope.dimension_count"), u(full.rot_dims)),
-        (k("rope.dimension_count_swa"), u(swa.rot_dims)),
-        ("tokenizer.ggml.bos_token_id".into(), Value::U32(cfg.bos)),
-        ("tokenizer.ggml.eos_token_id".into(), Value::U32(cfg.eos[0])),
-        ("tokenizer.ggml.padding_token_id".into(), Value::U32(cfg.pad.unwrap_or(2))),
-    ]
-}
-
-/// The GGUF name of a checkpoint tensor.
-fn gguf_name(hf: &str) -> String {
-    match hf {
-        "model.embedding.weight" => return "token_embd.weight".into(),
-        "model.norm.weight" => return "output_norm.weight".into(),
-        "lm_head.weight" => return "output.weight".into(),
-        _ => {}
-    }
-    let rest = hf.strip_prefix("model.layers.").unwrap();
-    let (i, part) = rest.split_once('.').unwrap();
-    let g = match part {
-        "input_layernorm.weight" => "attn_norm",
-        "self_attn.q_k_v_proj.weight" => "attn_qkv",
-        "self_attn.g_proj.weight" => "attn_gate",
-        "self_attn.out_proj.weight" => "attn_output",
-        "post_attention_layernorm.weight" => "ffn_norm",
-        "mlp.gate_proj.weight" => "ffn_gate",
-        "mlp.up_proj.weight" => "ffn_up",
-        "mlp.down_proj.weight" => "ffn_down",
-        other => panic!("unexpected tensor {other}"),
-    };
-    format!("blk.{i}.{g}.weight")
-}
-
 /// Write a float safetensors checkpoint as a GGUF file; `kind_of` may change a tensor's ggml
 /// type (the bytes are then zeros of the right size).
 fn write_gguf(dir: &Path, out: &Path, arch: &str, kind_of: impl Fn(&str) -> Option<GgmlType>) {
@@ -101,7 +40,7 @@ fn write_gguf(dir: &Path, out: &Path, arch: &str, kind_of: impl Fn(&str) -> Opti
     let mut plan = vec![];
     for n in names {
         let t = &ck.tensors[n];
-        let g = gguf_name(n);
+        let g = gguf_tensor_name(n);
         match kind_of(&g) {
             Some(kind) => {
                 let (be, bs) = kind.block().unwrap();
@@ -120,7 +59,7 @@ fn write_gguf(dir: &Path, out: &Path, arch: &str, kind_of: impl Fn(&str) -> Opti
     for (name, kind, shape, data) in &zeros {
         plan.push(WriteTensor { name: name.clone(), kind: *kind, shape: shape.clone(), data });
     }
-    gguf::write(out, &metadata(&cfg, arch), &plan).unwrap();
+    gguf::write(out, &gguf_metadata(&cfg, arch), &plan).unwrap();
 }
 
 fn logits_all(m: &mut Model<CpuBackend>, ids: &[u32]) -> Vec<f32> {
