@@ -75,6 +75,31 @@ pub enum ScaleMode {
     Quad,
 }
 
+/// One int4 row from the tensor's order (element `2j` in the low nibble of byte `j`, `2j + 1`
+/// in the high) into [`QMat`]'s (per 64-column chunk, element `j` low and `j + 32` high in byte
+/// `j`); columns past `cols` are nibble 8 (q = 0). `dst` is the padded row.
+fn repack_int4_row(src: &[u8], cols: usize, dst: &mut [u8]) {
+    for (ci, chunk) in dst.chunks_exact_mut(QCHUNK / 2).enumerate() {
+        let c0 = ci * QCHUNK;
+        if c0 + QCHUNK <= cols {
+            let s = &src[c0 / 2..c0 / 2 + QCHUNK / 2];
+            let mut e = [0u8; QCHUNK];
+            for j in 0..QCHUNK / 2 {
+                e[2 * j] = s[j] & 0xF;
+                e[2 * j + 1] = s[j] >> 4;
+            }
+            for (j, d) in chunk.iter_mut().enumerate() {
+                *d = e[j] | (e[j + 32] << 4);
+            }
+        } else {
+            let nib = |c: usize| if c < cols { (src[c / 2] >> (4 * (c % 2))) & 0xF } else { 8 };
+            for (j, d) in chunk.iter_mut().enumerate() {
+                *d = nib(c0 + j) | (nib(c0 + j + 32) << 4);
+            }
+        }
+    }
+}
+
 /// A matrix's scales or biases (`[rows, ng]`) as the kernels read them.
 pub enum Side {
     /// The [`QTensor`]'s own f32 values (shared, no copy).
@@ -89,7 +114,7 @@ pub enum Side {
 impl Side {
     fn new(v: &Arc<Vec<f32>>, half: bool) -> Side {
         if half {
-            Side::F16(v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect())
+            Side::F16(v.par_iter().with_min_len(1 << 14).map(|&x| half::f16::from_f32(x).to_bits()).collect())
         } else {
             Side::F32(v.clone())
         }
@@ -216,29 +241,21 @@ impl QMat {
             QFormat::I8 => kp,
             QFormat::I4 => kp / 2,
         };
-        // Padding value: int8 q = 0; int4 q = 0 is nibble 8.
-        let pad = match q.format {
-            QFormat::I8 => 0u8,
-            QFormat::I4 => 0x88u8,
-        };
-        let mut data = vec![pad; rows * rb + 64];
+        // Zeroed (the allocator's fresh pages): int8 padding is q = 0; int4 rows are written
+        // whole below, their padding as nibble 8 (q = 0).
+        let mut data = vec![0u8; rows * rb + 64];
         let off = data.as_ptr().align_offset(64).min(64);
-        for r in 0..rows {
-            let src = q.q_row(r);
-            let dst = &mut data[off + r * rb..off + (r + 1) * rb];
-            match q.format {
-                QFormat::I8 => dst[..cols].copy_from_slice(src),
-                QFormat::I4 => {
-                    let nib = |c: usize| if c < cols { (src[c / 2] >> (4 * (c % 2))) & 0xF } else { 8 };
-                    for (ci, chunk) in dst.chunks_exact_mut(QCHUNK / 2).enumerate() {
-                        let c0 = ci * QCHUNK;
-                        for (j, d) in chunk.iter_mut().enumerate() {
-                            *d = nib(c0 + j) | (nib(c0 + j + 32) << 4);
-                        }
-                    }
+        // Rows in parallel (the pages are first touched here, by the worker that fills them),
+        // 64 rows per task.
+        data[off..off + rows * rb].par_chunks_mut(64 * rb).enumerate().for_each(|(ci, block)| {
+            for (k, dst) in block.chunks_exact_mut(rb).enumerate() {
+                let src = q.q_row(ci * 64 + k);
+                match q.format {
+                    QFormat::I8 => dst[..cols].copy_from_slice(src),
+                    QFormat::I4 => repack_int4_row(src, cols, dst),
                 }
             }
-        }
+        });
         let sidx = (0..kp / 16).map(|h| ((h * 16 / group).min(ng - 1)) as u32).collect();
         let half = half_ok && q.sides_fit_f16();
         QMat {
