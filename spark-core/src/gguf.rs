@@ -13,6 +13,10 @@
 //!   Q5_0 -> int8 group 32, Q5_1/Q5_K -> int8 group 32 with bias, Q4_0 -> int4 group 32,
 //!   Q4_1/Q4_K -> int4 group 32 with bias, Q3_K -> int4 group 16, Q2_K -> int4 group 16 with
 //!   bias. Other kinds (IQ*, TQ*, MXFP4, ...) are refused by name.
+//! - [`GgufFile::check_tensors`], [`GgufFile::layer_weights`], [`GgufFile::embedding_weight`]:
+//!   the same, checked from the headers first and converted one piece at a time, which is how
+//!   [`crate::Model::load`] uploads a GGUF file (a converted tensor lives only until its upload);
+//!   [`GgmlType::served_plan`]: the layout a kind converts to, without converting.
 //! - [`GgufFile::tokenizer`], [`GgufFile::chat_template`]: the `tokenizer.ggml.*` byte-level BPE
 //!   as a Hugging Face tokenizer, and `tokenizer.chat_template`.
 //! - [`load`] / [`is_gguf`]: what [`crate::Model::load`] uses for a `.gguf` path; [`write`]: a
