@@ -892,7 +892,7 @@ impl GgufFile {
         self.check_tensors(cfg)?;
         let layers = (0..cfg.n_layers).map(|i| self.layer_weights(cfg, i)).collect::<Result<Vec<_>>>()?;
         Ok(ModelWeights {
-            embedding: self.checked(cfg, "token_embd.weight", true)?,
+            embedding: self.checked(cfg, "token_embd.weight")?,
             layers,
             norm: self.norm_weight(cfg, "output_norm.weight")?,
             lm_head: self.lm_head_weight(cfg)?,
@@ -924,49 +924,47 @@ impl GgufFile {
             };
             let want =
                 shape_of.get(hf.as_str()).copied().ok_or_else(|| self.err(format!("unexpected tensor '{g}'")))?;
-            if &t.shape() != want {
-                return Err(self.err(format!(
-                    "tensor '{g}' has GGUF dims {:?} (shape {:?}), but the metadata implies shape {want:?}",
-                    t.dims,
-                    t.shape()
-                )));
-            }
-            if want.len() == 1 && t.kind.float().is_none() {
-                return Err(Error::unsupported(format!(
-                    "{}: tensor '{g}' is {}; norm weights must be F32, F16 or BF16",
-                    self.path.display(),
-                    t.kind.name()
-                )));
-            }
+            self.check_tensor(t, want)?;
         }
         Ok(())
     }
 
-    /// Tensor `g` as its checkpoint-named weight (converted if quantized), checked first.
-    fn checked(&self, cfg: &ModelConfig, g: &str, matrix: bool) -> Result<Weight> {
-        let hf = gguf_names(cfg.n_layers)
-            .into_iter()
-            .find(|(n, _)| n == g)
-            .map(|(_, h)| h)
-            .ok_or_else(|| self.err(format!("unexpected tensor '{g}'")))?;
-        let t = self.tensor(g).ok_or_else(|| self.err(format!("is missing tensor '{g}'")))?;
-        let want = cfg.expected_tensors().into_iter().find(|(n, _)| *n == hf).map(|(_, s)| s);
-        if want.as_ref() != Some(&t.shape()) {
-            return Err(self.err(format!("tensor '{g}' has GGUF dims {:?}, not the shape {want:?}", t.dims)));
+    /// One tensor's header against the shape the config implies (a vector is a norm, which
+    /// must be a float type).
+    fn check_tensor(&self, t: &TensorInfo, want: &[usize]) -> Result<()> {
+        let g = &t.name;
+        if t.shape() != want {
+            return Err(self.err(format!(
+                "tensor '{g}' has GGUF dims {:?} (shape {:?}), but the metadata implies shape {want:?}",
+                t.dims,
+                t.shape()
+            )));
         }
-        if !matrix && t.kind.float().is_none() {
+        if want.len() == 1 && t.kind.float().is_none() {
             return Err(Error::unsupported(format!(
                 "{}: tensor '{g}' is {}; norm weights must be F32, F16 or BF16",
                 self.path.display(),
                 t.kind.name()
             )));
         }
+        Ok(())
+    }
+
+    /// Tensor `g` as its checkpoint-named weight (converted if quantized), its header checked
+    /// first ([`GgufFile::check_tensor`], so a caller that skipped
+    /// [`GgufFile::check_tensors`] still gets the same errors).
+    fn checked(&self, cfg: &ModelConfig, g: &str) -> Result<Weight> {
+        let unexpected = || self.err(format!("unexpected tensor '{g}'"));
+        let hf = gguf_names(cfg.n_layers).into_iter().find(|(n, _)| n == g).map(|(_, h)| h).ok_or_else(unexpected)?;
+        let t = self.tensor(g).ok_or_else(|| self.err(format!("is missing tensor '{g}'")))?;
+        let want = cfg.expected_tensors().into_iter().find(|(n, _)| *n == hf).map(|(_, s)| s).ok_or_else(unexpected)?;
+        self.check_tensor(t, &want)?;
         self.weight(g, &hf)
     }
 
     /// A norm vector `g` (a float tensor).
     pub fn norm_weight(&self, cfg: &ModelConfig, g: &str) -> Result<Tensor> {
-        match self.checked(cfg, g, false)? {
+        match self.checked(cfg, g)? {
             Weight::Float(t) => Ok(t),
             Weight::Quant(_) => Err(self.err(format!("tensor '{g}' must be a float tensor"))),
         }
@@ -977,19 +975,19 @@ impl GgufFile {
         let b = |s: &str| format!("blk.{i}.{s}.weight");
         Ok(LayerWeights {
             attn_norm: self.norm_weight(cfg, &b("attn_norm"))?,
-            qkv: self.checked(cfg, &b("attn_qkv"), true)?,
-            gate: self.checked(cfg, &b("attn_gate"), true)?,
-            out: self.checked(cfg, &b("attn_output"), true)?,
+            qkv: self.checked(cfg, &b("attn_qkv"))?,
+            gate: self.checked(cfg, &b("attn_gate"))?,
+            out: self.checked(cfg, &b("attn_output"))?,
             mlp_norm: self.norm_weight(cfg, &b("ffn_norm"))?,
-            mlp_gate: self.checked(cfg, &b("ffn_gate"), true)?,
-            mlp_up: self.checked(cfg, &b("ffn_up"), true)?,
-            mlp_down: self.checked(cfg, &b("ffn_down"), true)?,
+            mlp_gate: self.checked(cfg, &b("ffn_gate"))?,
+            mlp_up: self.checked(cfg, &b("ffn_up"))?,
+            mlp_down: self.checked(cfg, &b("ffn_down"))?,
         })
     }
 
     /// The token embedding, converted now.
     pub fn embedding_weight(&self, cfg: &ModelConfig) -> Result<Weight> {
-        self.checked(cfg, "token_embd.weight", true)
+        self.checked(cfg, "token_embd.weight")
     }
 
     /// The untied output head, if the file has one, converted now.
@@ -997,7 +995,7 @@ impl GgufFile {
         if self.tensor("output.weight").is_none() {
             return Ok(None);
         }
-        self.checked(cfg, "output.weight", true).map(Some)
+        self.checked(cfg, "output.weight").map(Some)
     }
 
     /// The compute type the file implies ([`ModelWeights::compute`]): bf16 when the embedding

@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use spark_core::gguf::{is_gguf, GgufFile};
-use spark_core::quant::{snr_db, QuantSpec};
+use spark_core::quant::{snr_db, QPlan, QuantSpec};
 use spark_core::sample::Xoshiro256;
 use spark_core::weights::{NamedRef, Weight};
 use spark_core::{LogitsMode, SeqStep};
@@ -159,8 +159,7 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sid
             bytes += match r {
                 NamedRef::T(t) => t.bytes().len(),
                 NamedRef::W(Weight::Quant(q)) => {
-                    let g = if q.group == q.cols { "ch".to_string() } else { format!("g{}", q.group) };
-                    note(format!("{}-{g}{}", q.format, if q.bias.is_some() { "+bias" } else { "" }));
+                    note(QPlan { format: q.format, group: q.group, bias: q.bias.is_some() }.label(q.cols));
                     q.nbytes_served(f16_sides)
                 }
                 NamedRef::W(Weight::Float(t)) => float(&name, &t.shape, t.bytes().len(), &mut note)?,
