@@ -386,7 +386,21 @@ fn thread_cpu_ns() -> u64 {
 fn bench_kernels() {
     let mut seed = 1u64;
     let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-    for &(m, k) in &[(512usize, 2048usize), (6656, 2048), (2048, 6656)] {
+    // QBENCH_SHAPES=MxK,MxK... replaces the 1.7B shapes (e.g. an L2-resident one to see the
+    // kernels' arithmetic alone); QBENCH_ONLY=text keeps the weight kinds whose label has it.
+    let shapes: Vec<(usize, usize)> = std::env::var("QBENCH_SHAPES").map_or_else(
+        |_| vec![(512, 2048), (6656, 2048), (2048, 6656)],
+        |v| {
+            v.split(',')
+                .map(|s| {
+                    let (m, k) = s.split_once('x').expect("QBENCH_SHAPES: MxK,...");
+                    (m.parse().expect("QBENCH_SHAPES: M"), k.parse().expect("QBENCH_SHAPES: K"))
+                })
+                .collect()
+        },
+    );
+    let only = std::env::var("QBENCH_ONLY").unwrap_or_default();
+    for &(m, k) in &shapes {
         let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
         let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
         for &n in &[1usize, 4, 32, 64, 128, 256] {
@@ -424,16 +438,20 @@ fn bench_kernels() {
                 (QFormat::I8, 16, false, false),
                 (QFormat::I8, 16, false, true),
             ] {
+                let label =
+                    format!("{format} g{group}{}{}", if bias { "+bias" } else { "" }, if half { " f16" } else { "" });
+                if !label.contains(&only) {
+                    continue;
+                }
                 let qt = random_q(m, k, format, group, bias, half, &mut seed);
                 let w = QMat::with_sides(&qt, half);
-                let group = format!("{group}{}{}", if bias { "+bias" } else { "" }, if half { " f16" } else { "" });
                 for qs in levels() {
                     if qs == QSimd::Portable {
                         continue;
                     }
                     let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
                     eprintln!(
-                        "  {format} g{group} {qs:?}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        "  {label} {qs:?}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
                         s * 1e3,
                         qt.nbytes() as f64 / s * 1e-9,
                         (m * k * n) as f64 / s * 1e-9
@@ -448,7 +466,7 @@ fn bench_kernels() {
                         amx::matmul(&xb, n, k, amx::Weights::Quant(&w), m, &mut out, DType::BF16)
                     });
                     eprintln!(
-                        "  {format} g{group} AMX bf16 dequantized: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        "  {label} AMX bf16 dequantized: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
                         s * 1e3,
                         qt.nbytes() as f64 / s * 1e-9,
                         (m * k * n) as f64 / s * 1e-9
