@@ -8,11 +8,20 @@
 # with `scripts/llamacpp-peer.sh convert` (and `llama-quantize` for Q8_0 / Q4_K_M). SPARK_ARGS
 # adds options to spark-run bench (e.g. SPARK_ARGS="--quant int8" beside a Q8_0 file). Needs target/release/spark-run and the llama.cpp peer
 # built by `scripts/llamacpp-peer.sh build` (PEER_DIR, default /work/peer).
+#
+# LLAMA_ISA=avx2 compares the AVX2 paths alone: llama.cpp's AVX2-only build
+# (`LLAMA_ISA=avx2 scripts/llamacpp-peer.sh build`) against spark-run with SPARK_CPU_SIMD=avx2
+# (no AVX-512, VNNI or AMX kernels), the instruction set of the Zen3 machines the CPU targets
+# are set on.
 set -euo pipefail
 model=${1:?MODEL_DIR}; gguf=${2:?MODEL.gguf}; t=${3:?THREADS}; runs=${4:-3}; pp=${5:-512}; tg=${6:-128}
 here=$(cd "$(dirname "$0")/.." && pwd)
 spark=${SPARK_RUN:-$here/target/release/spark-run}
-bench=${PEER_DIR:-/work/peer}/llama-build/bin/llama-bench
+case "${LLAMA_ISA:-native}" in
+  native) bench=${PEER_DIR:-/work/peer}/llama-build/bin/llama-bench ;;
+  avx2) bench=${PEER_DIR:-/work/peer}/llama-build-avx2/bin/llama-bench; export SPARK_CPU_SIMD=avx2 ;;
+  *) echo "LLAMA_ISA must be native or avx2" >&2; exit 2 ;;
+esac
 out=$(mktemp -d)
 for i in $(seq "$runs"); do
   # shellcheck disable=SC2086

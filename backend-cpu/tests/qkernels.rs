@@ -11,8 +11,8 @@
 
 use std::sync::Arc;
 
-use spark_backend_cpu::kernels::matmul::{matmul, Mat};
-use spark_backend_cpu::kernels::qmatmul::{qmatmul, qmatmul_quantized, QAct, QMat};
+use spark_backend_cpu::kernels::matmul::{matmul, quant_panels, Mat, AVX2_QUANT_PANEL_MIN_TOKENS};
+use spark_backend_cpu::kernels::qmatmul::{qmatmul, qmatmul_quantized, quant_matmul, QAct, QMat};
 use spark_backend_cpu::kernels::QSimd;
 use spark_backend_cpu::{CpuBackend, CpuTensor, Simd};
 use spark_core::backend::{Backend, WeightRole};
@@ -227,6 +227,56 @@ fn k_quant_sides_held_as_f16_compute_with_the_rounded_values() {
                             let bound = moved * 1.001 + 1e-5 * mag + 1e-30;
                             assert!((got - unrounded).abs() <= bound, "{i}: {got} vs {unrounded} (bound {bound})");
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 prefill of quantized weights on dequantized f32 panels (what CPUs without VNNI run
+/// from [`AVX2_QUANT_PANEL_MIN_TOKENS`] tokens): against an f64 product of the dequantized
+/// weights and the unquantized activations, only f32 summation differs (within 1e-5 of the sum
+/// of |terms|), for every combo, at the AVX2 and (where present) AVX-512 micro-kernels, on rows
+/// that do not fill a panel; and `quant_matmul` at the AVX2 level takes this path from the
+/// threshold on.
+#[test]
+fn avx2_quantized_prefill_on_float_panels_matches_f64() {
+    if Simd::detect() < Simd::Avx2 {
+        eprintln!("skipped: this CPU has no AVX2 (or SPARK_CPU_SIMD caps it)");
+        return;
+    }
+    let mut seed = 31u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    for &(cols, rows) in &[(96usize, 37usize), (160, 21), (2080, 19)] {
+        for (format, group, bias, half, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
+            let w = QMat::with_sides(&qt, half);
+            let deq = as_held(&qt, half).dequantize();
+            for &n in &[AVX2_QUANT_PANEL_MIN_TOKENS, 45] {
+                let x = random_x(n, cols, &mut seed);
+                for simd in [Simd::Avx2, Simd::detect()] {
+                    let mut out = vec![f32::NAN; n * rows];
+                    pool.install(|| quant_panels(simd, &x, n, cols, &w, &mut out, DType::F32));
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let (mut want, mut mag) = (0.0f64, 0.0f64);
+                            for c in 0..cols {
+                                let term = deq[r * cols + c] as f64 * x[t * cols + c] as f64;
+                                want += term;
+                                mag += term.abs();
+                            }
+                            let got = out[t * rows + r] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-5 * mag + 1e-30,
+                                "{what} {simd:?} n={n} cols={cols} [{t},{r}]: {got} vs {want}"
+                            );
+                        }
+                    }
+                    if simd == Simd::Avx2 {
+                        let mut via = vec![f32::NAN; n * rows];
+                        pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &w, &mut via, DType::F32));
+                        assert_eq!(via, out, "{what}: quant_matmul at the AVX2 level takes the panels");
                     }
                 }
             }

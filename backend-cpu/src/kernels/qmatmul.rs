@@ -329,43 +329,50 @@ impl QMat {
     /// operations at every SIMD level (a multiply, then an add, then the rounding), so the
     /// results are identical; the wider levels only let the compiler vectorize the loop.
     pub fn dequant_bf16(&self, r: usize, c0: usize, out: &mut [u16]) {
-        assert!(
-            c0.is_multiple_of(16) && out.len().is_multiple_of(16) && c0 + out.len() <= self.cols,
-            "dequant_bf16: range"
-        );
+        self.dequant_range(r, c0, out)
+    }
+
+    /// Columns `c0..c0 + out.len()` of row `r` dequantized as [`QMat::dequant_row`] does (the
+    /// same f32 values), on the same terms as [`QMat::dequant_bf16`].
+    pub fn dequant_f32(&self, r: usize, c0: usize, out: &mut [f32]) {
+        self.dequant_range(r, c0, out)
+    }
+
+    fn dequant_range<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
+        assert!(c0.is_multiple_of(16) && out.len().is_multiple_of(16) && c0 + out.len() <= self.cols, "dequant: range");
         #[cfg(target_arch = "x86_64")]
         {
             let simd = super::Simd::detect();
             if simd >= super::Simd::Avx512 {
                 // SAFETY: Simd::Avx512 is only detected with AVX-512F present.
-                return unsafe { self.dequant_bf16_avx512(r, c0, out) };
+                return unsafe { self.dequant_avx512(r, c0, out) };
             }
             if simd >= super::Simd::Avx2 {
                 // SAFETY: Simd::Avx2 is only detected with AVX2 present.
-                return unsafe { self.dequant_bf16_avx2(r, c0, out) };
+                return unsafe { self.dequant_avx2(r, c0, out) };
             }
         }
-        self.dequant_bf16_body(r, c0, out)
+        self.dequant_body(r, c0, out)
     }
 
     /// # Safety
     /// AVX-512F.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    unsafe fn dequant_bf16_avx512(&self, r: usize, c0: usize, out: &mut [u16]) {
-        self.dequant_bf16_body(r, c0, out)
+    unsafe fn dequant_avx512<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
+        self.dequant_body(r, c0, out)
     }
 
     /// # Safety
     /// AVX2.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn dequant_bf16_avx2(&self, r: usize, c0: usize, out: &mut [u16]) {
-        self.dequant_bf16_body(r, c0, out)
+    unsafe fn dequant_avx2<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
+        self.dequant_body(r, c0, out)
     }
 
     #[inline(always)]
-    fn dequant_bf16_body(&self, r: usize, c0: usize, out: &mut [u16]) {
+    fn dequant_body<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
         let at = r * self.ng;
         for (hi, o16) in out.chunks_exact_mut(16).enumerate() {
@@ -387,7 +394,7 @@ impl QMat {
                 }
             }
             for (o, &q) in o16.iter_mut().zip(&q) {
-                *o = (spark_core::dtype::round_bf16(sg * q + bg).to_bits() >> 16) as u16;
+                *o = O::from_f32(sg * q + bg);
             }
         }
     }
@@ -401,6 +408,26 @@ impl QMat {
             let g = r * self.ng + c / self.group;
             *o = s.get(g) * self.qval(r, c) as f32 + b.map_or(0.0, |b| b.get(g));
         }
+    }
+}
+
+/// What [`QMat::dequant_bf16`] / [`QMat::dequant_f32`] write: a dequantized value as bf16 bits
+/// (rounded to nearest even) or as the f32 itself.
+trait DequantOut: Copy {
+    fn from_f32(v: f32) -> Self;
+}
+
+impl DequantOut for u16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> u16 {
+        (spark_core::dtype::round_bf16(v).to_bits() >> 16) as u16
+    }
+}
+
+impl DequantOut for f32 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> f32 {
+        v
     }
 }
 
@@ -695,9 +722,15 @@ impl SideEl for H16 {
 /// The one place a quantized matmul at float level `simd` picks its kernel: AMX INT8 tiles
 /// where they take the shape ([`super::amx_int8::takes`]); else, from
 /// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
-/// dequantized tiles ([`super::amx`]); else the integer kernels of `simd`'s level ([`qmatmul`]).
+/// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from
+/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens, the f32 prefill on dequantized panels
+/// ([`super::matmul::quant_panels`]); else the integer kernels of `simd`'s level ([`qmatmul`]).
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());
+    if qs == QSimd::Avx2 && n >= super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS && simd >= super::Simd::Avx2 {
+        super::matmul::quant_panels(simd, x, n, k, w, out, round);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if !(qs == QSimd::AmxInt8 && super::amx_int8::takes(w, n))
         && n >= super::matmul::AMX_QUANT_MIN_TOKENS
