@@ -33,8 +33,6 @@ trait Fmt {
     unsafe fn act_scales(dv: __m512) -> __m512 {
         dv
     }
-    /// The factor [`Fmt::act_scales`] gives the second 32-block of a chunk (1 or 1/16).
-    const ODD_BLOCK: f32 = 1.0;
 }
 
 struct I8;
@@ -54,7 +52,6 @@ impl Fmt for I8 {
 
 impl Fmt for I4 {
     const UNPACK: bool = true;
-    const ODD_BLOCK: f32 = 0.0625;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
         // Lanes 0-7: low nibbles, zero point 8; lanes 8-15: high nibbles in place, 16 * 8.
@@ -103,9 +100,6 @@ const I4_LANE_SCALE: Floats = Floats {
 trait Scale {
     /// One scale for the whole row, applied after the sum (`sv` is then unused).
     const ROW: bool = false;
-    /// One scale per 32-block, block `b`'s at index `b` of the row ([`ScaleMode::Pair`]): [`tile`]
-    /// multiplies them by the activation scales up front ([`PROD_CAP`]).
-    const PAIR: bool = false;
     /// Whether `sv` gathers several scales per chunk (extra registers).
     const WIDE_SCALES: bool = false;
     unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512;
@@ -153,7 +147,6 @@ struct Pair;
 
 impl Scale for Pair {
     const WIDE_SCALES: bool = true;
-    const PAIR: bool = true;
     #[inline(always)]
     unsafe fn sv<E: SideEl>(s: *const E, _sidx: *const u32, c: usize) -> __m512 {
         _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(E::pair(s, 2 * c)))
@@ -192,14 +185,6 @@ const IDX2: Idx = Idx { a: [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1] };
 /// Four lanes from each of elements 0..4.
 const IDX4: Idx = Idx { a: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3] };
 
-/// Most `weight scale * activation scale` products (rows x tokens x blocks) that [`tile`] forms
-/// up front for [`ScaleMode::Pair`] (16 KiB of stack): eight per multiply into an L1 buffer, so
-/// that a chunk's 16-lane factor is one 8-byte load and one permute, where forming it in the loop
-/// took per row and chunk an f16 conversion, a permute and a multiply (and per token a permute
-/// and a multiply more). The products are the same f32 multiplications either way (the int4
-/// high blocks' factor 1/16 is a power of two).
-const PROD_CAP: usize = 4096;
-
 /// `R` rows x `T` tokens over all columns.
 ///
 /// # Safety
@@ -213,28 +198,6 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nc);
     let [ps, pb] = a.side_prefetchers(R, nc);
-    let table = S::PAIR && R * T * nb <= PROD_CAP;
-    let mut prod = [std::mem::MaybeUninit::<f32>::uninit(); PROD_CAP];
-    let pp = prod.as_mut_ptr() as *mut f32;
-    if table {
-        // `ng == nb` (groups of 32, no padding; `nb` even): products of rows (r, t) at
-        // `(r T + t) nb`, the odd blocks' times [`Fmt::ODD_BLOCK`].
-        let odd = _mm256_setr_ps(1.0, F::ODD_BLOCK, 1.0, F::ODD_BLOCK, 1.0, F::ODD_BLOCK, 1.0, F::ODD_BLOCK);
-        let n8 = nb / 8 * 8;
-        for r in 0..R {
-            let s = a.s.cast::<E>().add(r * a.ng);
-            for t in 0..T {
-                let (d, o) = (a.d.add(t * nb), pp.add((r * T + t) * nb));
-                for i in (0..n8).step_by(8) {
-                    let p = _mm256_mul_ps(E::load8(s.add(i)), _mm256_loadu_ps(d.add(i)));
-                    _mm256_storeu_ps(o.add(i), _mm256_mul_ps(p, odd));
-                }
-                for i in n8..nb {
-                    *o.add(i) = E::get(s, i) * *d.add(i) * if i % 2 == 1 { F::ODD_BLOCK } else { 1.0 };
-                }
-            }
-        }
-    }
     for c in 0..nc {
         pf.step(c);
         ps.step(c);
@@ -243,29 +206,18 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
         let mut sv = [_mm512_setzero_ps(); R];
         for r in 0..R {
             wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
-            if !S::ROW && !table {
+            if !S::ROW {
                 sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
             }
         }
         for t in 0..T {
             let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
-            let dv = if table {
-                _mm512_setzero_ps()
-            } else {
-                let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
-                F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)))
-            };
+            let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
+            let dv = F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)));
             let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
             for r in 0..R {
                 let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
-                let scale = if table {
-                    let two = _mm_loadl_epi64(pp.add((r * T + t) * nb + 2 * c) as *const __m128i);
-                    _mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(_mm_castsi128_ps(two)))
-                } else if S::ROW {
-                    dv
-                } else {
-                    _mm512_mul_ps(sv[r], dv)
-                };
+                let scale = if S::ROW { dv } else { _mm512_mul_ps(sv[r], dv) };
                 acc[r][t] = _mm512_fmadd_ps(p, scale, acc[r][t]);
             }
         }
@@ -336,18 +288,13 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
     tmp: &mut [f32],
     ld: usize,
 ) {
-    if r0 >= r1 || nt == 0 {
-        return;
-    }
-    let tabled = S::PAIR && 4 * 4 * (args(r0, t0).kp / QBLOCK) <= PROD_CAP;
     let mut r = r0;
     while r < r1 {
         let nr = if r + 4 <= r1 { 4 } else { 1 };
         let mut t = 0;
         while t < nt {
-            // Per-block scales with unpacked int4 run out of registers at 4 x 4: use 4 x 3
-            // (unless the scales come from the product table, which takes no registers).
-            let tt = (nt - t).min(if S::WIDE_SCALES && F::UNPACK && !tabled { 3 } else { 4 });
+            // Per-block scales with unpacked int4 run out of registers at 4 x 4: use 4 x 3.
+            let tt = (nt - t).min(if S::WIDE_SCALES && F::UNPACK { 3 } else { 4 });
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
                 // The last token tile over these rows: fetch the next rows meanwhile.
