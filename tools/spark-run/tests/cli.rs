@@ -254,6 +254,47 @@ fn logits_of(model: &Path, ids: &[u32], extra: &[&str], out: &Path) -> Vec<f32> 
     read_npy(out).1
 }
 
+/// On CPUs without VNNI (forced here with `SPARK_CPU_SIMD=avx2`) a quantized prefill of 32+
+/// tokens runs the f32 panel kernel on dequantized weights: on the 70-token golden prompt the
+/// int8 and int4 checkpoints stay within the bounds of the integer paths (int8 > 30 dB, int4 >
+/// 12.5 dB against the f32 reference), and no worse than the default path by more than 0.5 dB
+/// (the panels skip activation quantization, so they are expected to be as close or closer).
+#[test]
+fn avx2_quantized_prefill_stays_close_to_the_reference() {
+    if !std::arch::is_x86_feature_detected!("avx2") || !std::arch::is_x86_feature_detected!("fma") {
+        eprintln!("skipped: this CPU has no AVX2/FMA");
+        return;
+    }
+    let g = Golden::load();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
+    let ids = g.ids("p2.input_ids");
+    assert!(ids.len() >= 32, "the prompt must reach the panel path");
+    let want = g.f32s("p2.prefill_logits");
+    for (to, min_snr) in [("int8", 30.0), ("int4", 12.5)] {
+        let out = dir.path().join(to);
+        let st =
+            spark().args(["quantize", "--model"]).arg(&ckpt).args(["--to", to, "--out"]).arg(&out).output().unwrap();
+        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+        let default = logits_of(&out, &ids, &["--dtype", "f32"], &dir.path().join(format!("{to}.npy")));
+        let npy = dir.path().join(format!("{to}-avx2.npy"));
+        let st = spark()
+            .env("SPARK_CPU_SIMD", "avx2")
+            .args(["logits", "--model"])
+            .arg(&out)
+            .args(["--ids", &join(&ids), "--dtype", "f32", "--output"])
+            .arg(&npy)
+            .output()
+            .unwrap();
+        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+        let avx2 = read_npy(&npy).1;
+        let (sd, sa) = (snr(&want, &default), snr(&want, &avx2));
+        eprintln!("{to}: logit SNR default path {sd:.1} dB, AVX2 panels {sa:.1} dB");
+        assert!(sa > min_snr, "{to}: AVX2 panel SNR {sa:.1} dB (bound {min_snr})");
+        assert!(sa > sd - 0.5, "{to}: AVX2 panel SNR {sa:.1} dB vs default {sd:.1} dB");
+    }
+}
+
 /// `quantize` writes int8 / int4 checkpoints that load, stay close to the golden f32 logits
 /// (stated bounds: int8 per channel SNR > 30 dB, asymmetric int4 group 32 > 12.5 dB (observed 14-16) on
 /// this random-weight checkpoint), keep the int4 mix's int8 matrices, and give exactly what
