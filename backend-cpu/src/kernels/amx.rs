@@ -409,9 +409,7 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: Weights<'_>, m: usize, ou
 unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize, out: &mut [f32], round: DType) {
     let ksteps = k / KS;
     let tblocks = n.div_ceil(16);
-    let threads = rayon::current_num_threads().max(1);
-    // Enough chunks to balance the threads, each a multiple of 32 rows.
-    let chunk = (m.div_ceil(threads * 4)).div_ceil(MB).max(1) * MB;
+    let chunk = super::row_chunk(m, MB);
     let outp = SharedOut(out.as_mut_ptr());
     let tpairs = tblocks.div_ceil(2);
     // Rows r0..r1 of any shape, C blocks of 32 rows x 32 tokens (the tile config is loaded).

@@ -222,8 +222,7 @@ pub unsafe fn matmul(act: &QAct, w: &QMat, out: &mut [f32], round: DType) {
     let plan = Plan::new(n, w.kp);
     let outp = SharedOut(out.as_mut_ptr());
     let run = |packed: &Packed| {
-        let threads = rayon::current_num_threads().max(1);
-        let mut chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+        let mut chunk = super::row_chunk(m, 16);
         if n > BLOCK_TOKENS {
             // Every token block re-reads the chunk's weights: keep them within L2.
             chunk = chunk.min((CHUNK_BYTES / w.row_bytes()) / 16 * 16).max(16);

@@ -63,8 +63,7 @@ pub unsafe fn matmul(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &m
         return;
     }
     let (xb, kp) = pack_activations(x, n, k);
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+    let chunk = super::row_chunk(m, 16);
     let outp = SharedOut(out.as_mut_ptr());
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let (r0, r1) = (c * chunk, (c * chunk + chunk).min(m));

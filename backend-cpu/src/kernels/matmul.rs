@@ -105,8 +105,7 @@ pub fn quant_panels(
     assert!(simd >= Simd::Avx2, "quant_panels: needs AVX2");
     #[cfg(target_arch = "x86_64")]
     {
-        let threads = rayon::current_num_threads().max(1);
-        let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+        let chunk = super::row_chunk(m, PANEL);
         let outp = SharedOut(out.as_mut_ptr());
         (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
             let r0 = c * chunk;
@@ -144,9 +143,7 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
             return;
         }
     }
-    let threads = rayon::current_num_threads().max(1);
-    // Enough chunks to balance the threads, each a multiple of 16 rows.
-    let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+    let chunk = super::row_chunk(m, 16);
     let outp = SharedOut(out.as_mut_ptr());
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let r0 = c * chunk;

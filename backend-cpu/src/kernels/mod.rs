@@ -236,6 +236,14 @@ impl Prefetcher {
     }
 }
 
+/// Rows per task when `m` weight rows are split over the current thread pool: enough chunks to
+/// balance the threads (about four per thread), each a multiple of `multiple` rows (a tile or
+/// panel height).
+pub(crate) fn row_chunk(m: usize, multiple: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    (m.div_ceil(threads * 4)).div_ceil(multiple).max(1) * multiple
+}
+
 /// An output pointer shared by threads that each write their own disjoint cells (the matmul
 /// and attention drivers split rows and heads across the pool).
 #[derive(Clone, Copy)]

@@ -140,9 +140,6 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nb);
     let [ps, pb] = a.side_prefetchers(R, nb);
-    // f16 scales: the tile's rows' scales converted to f32 once, into an L1 buffer, so that the
-    // block loop broadcasts f32 values (a scalar f16 conversion per block and row made the
-    // decode GEMV ~20 % slower than with f32 scales).
     let table = S::PAIR && R * T * nb <= PROD_CAP;
     let mut prod = [std::mem::MaybeUninit::<f32>::uninit(); PROD_CAP];
     let pp = prod.as_mut_ptr() as *mut f32;
@@ -162,6 +159,9 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             }
         }
     }
+    // f16 scales: the tile's rows' scales converted to f32 once, into an L1 buffer, so that the
+    // block loop broadcasts f32 values (a scalar f16 conversion per block and row made the
+    // decode GEMV ~20 % slower than with f32 scales).
     let mut conv = [std::mem::MaybeUninit::<f32>::uninit(); 4 * CONV_GROUPS];
     let convert = E::HALF && !S::ROW && !table && R <= 4 && a.ng <= CONV_GROUPS;
     let cp = conv.as_mut_ptr() as *mut f32;

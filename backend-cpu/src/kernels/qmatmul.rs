@@ -766,8 +766,7 @@ pub fn qmatmul_quantized(qs: QSimd, act: &QAct, w: &QMat, out: &mut [f32], round
         unsafe { super::amx_int8::matmul(act, w, out, round) };
         return;
     }
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = (m.div_ceil(threads * 4)).div_ceil(16).max(1) * 16;
+    let chunk = super::row_chunk(m, 16);
     let outp = SharedOut(out.as_mut_ptr());
     // Prefill: as many tokens as fit in about 256 KiB of int8 rows (a multiple of 4, 16..=128).
     let tb = if n < SMALL_BATCH { 4 } else { (PREFILL_BYTES / w.kp).clamp(16, 128) / 4 * 4 };
