@@ -507,6 +507,15 @@ fn bench_kernels() {
                         (m * k * n) as f64 / s * 1e-9
                     );
                 }
+                if n >= 16 && Simd::detect() >= Simd::Avx2 {
+                    let s = time(&mut || quant_panels(Simd::Avx2, &x, n, k, &w, &mut out, DType::F32));
+                    eprintln!(
+                        "  {label} AVX2 f32 panels: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        s * 1e3,
+                        qt.nbytes() as f64 / s * 1e-9,
+                        (m * k * n) as f64 / s * 1e-9
+                    );
+                }
                 #[cfg(target_arch = "x86_64")]
                 if Simd::detect() == Simd::Amx {
                     use spark_backend_cpu::kernels::amx;

@@ -129,6 +129,15 @@ impl Side {
         }
     }
 
+    /// Values `i..i + out.len()` as f32 (f16 ones converted a slice at a time).
+    pub fn get_into(&self, i: usize, out: &mut [f32]) {
+        use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+        match self {
+            Side::F32(v) => out.copy_from_slice(&v[i..i + out.len()]),
+            Side::F16(v) => v[i..i + out.len()].reinterpret_cast::<half::f16>().convert_to_f32_slice(out),
+        }
+    }
+
     /// The first value's address and the bytes per value (for prefetching).
     pub fn raw(&self) -> (*const u8, usize) {
         match self {
@@ -375,10 +384,22 @@ impl QMat {
     fn dequant_body<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
         let at = r * self.ng;
+        // The row's scales and biases as f32, `SEG` groups at a time (a per-value f16
+        // conversion per 16 columns cost more than the rest of the dequantization).
+        const SEG: usize = 64;
+        let (mut sbuf, mut bbuf, mut seg0) = ([0.0f32; SEG], [0.0f32; SEG], usize::MAX);
         for (hi, o16) in out.chunks_exact_mut(16).enumerate() {
             let c = c0 + hi * 16;
             let g = self.sidx[c / 16] as usize;
-            let (sg, bg) = (self.scales.get(at + g), self.bias.as_ref().map_or(0.0, |b| b.get(at + g)));
+            if !(seg0..seg0.saturating_add(SEG)).contains(&g) {
+                seg0 = g;
+                let len = SEG.min(self.ng - g);
+                self.scales.get_into(at + g, &mut sbuf[..len]);
+                if let Some(b) = &self.bias {
+                    b.get_into(at + g, &mut bbuf[..len]);
+                }
+            }
+            let (sg, bg) = (sbuf[g - seg0], bbuf[g - seg0]);
             let mut q = [0.0f32; 16];
             match self.format {
                 QFormat::I8 => {
