@@ -178,6 +178,86 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
     }
 }
 
+/// Int4 in groups of 32 as `spark-run quantize` writes it (steps `k * u` per super-block) gets
+/// integer sub-scales, and at the AVX2 level its activations share one scale per super-block
+/// and the sub-scale kernel sums each super-block in integers: against the f64 reference on
+/// the same activations at every level, odd shapes (a partial last super-block), f32 and f16
+/// sides. Scales without that form get no sub-scales.
+#[test]
+fn avx2_sub_scale_kernel_matches_f64_reference() {
+    use spark_core::quant::{quantize, QuantSpec};
+    let mut seed = 31u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    for &(cols, rows) in &[(64usize, 3usize), (256, 37), (768, 5), (2112, 7)] {
+        // Rows of different spreads, groups of different ranges.
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| unit(&mut seed) * 0.02 * (1.0 + (i / 32 % 5) as f32) * (1.0 + (i / cols) as f32))
+            .collect();
+        let qt = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        let deq = qt.dequantize();
+        for half in [false, true] {
+            let w = QMat::with_sides(&qt, half).with_sub_scales();
+            let sub = w.sub_scales().expect("quantize's int4 g32 has super-block steps");
+            for r in 0..rows {
+                for g in 0..cols / 32 {
+                    let (k, u) = (sub.k[r * (cols / 32) + g] as f32, sub.unit[r * (cols / 32).div_ceil(8) + g / 8]);
+                    assert_eq!(k * u, qt.scales[r * (cols / 32) + g], "row {r} group {g}");
+                }
+            }
+            for &n in &[1usize, 2, 3, 4, 7, 17] {
+                let x = random_x(n, cols, &mut seed);
+                let act = QAct::quantize_for(QSimd::Avx2, &x, n, cols, &w);
+                if QSimd::detect() >= QSimd::Avx2 {
+                    // One token keeps per-block scales (SUB_SCALE_MIN_TOKENS).
+                    assert_eq!(act.span, if n >= 2 { 8 } else { 1 }, "super-block activation scales at the AVX2 level");
+                    for t in 0..n {
+                        let d = act.d_row(t);
+                        assert!(
+                            n == 1 || d.chunks(8).all(|sb| sb.iter().all(|&v| v == sb[0])),
+                            "one scale per super-block"
+                        );
+                    }
+                }
+                let mut want = vec![0.0f64; n * rows];
+                let mut mag = vec![0.0f64; n * rows];
+                for t in 0..n {
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            let term = deq[r * cols + c] as f64 * act.value(t, c) as f64;
+                            want[t * rows + r] += term;
+                            mag[t * rows + r] += term.abs();
+                        }
+                    }
+                }
+                for qs in levels() {
+                    let mut out = vec![f32::NAN; n * rows];
+                    pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
+                    for i in 0..n * rows {
+                        let err = (out[i] as f64 - want[i]).abs();
+                        assert!(
+                            err <= 1e-5 * mag[i] + 1e-30,
+                            "{qs:?} half {half} n={n} cols={cols} rows={rows}: out[{i}] = {} want {} (sum|terms| {})",
+                            out[i],
+                            want[i],
+                            mag[i]
+                        );
+                    }
+                }
+                // The public entry quantizes the same way at the AVX2 level.
+                if QSimd::detect() >= QSimd::Avx2 {
+                    let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+                    pool.install(|| qmatmul(QSimd::Avx2, &x, n, cols, &w, &mut a, DType::F32));
+                    pool.install(|| qmatmul_quantized(QSimd::Avx2, &act, &w, &mut b, DType::F32));
+                    assert_eq!(a, b, "qmatmul at AVX2 uses super-block activations");
+                }
+            }
+        }
+    }
+    // Free-form scales (random, some negative) have no such form.
+    let qt = random_q(9, 256, QFormat::I4, 32, true, true, &mut seed);
+    assert!(QMat::with_sides(&qt, true).with_sub_scales().sub_scales().is_none());
+}
+
 /// Sides that are not f16 values but fit one (GGUF K-quant products `d * sc`): held as f16, the
 /// kernels compute with the rounded values exactly (against an f64 reference on a tensor with
 /// the rounded sides), and stay within f16's precision of the unrounded tensor.
@@ -504,6 +584,20 @@ fn bench_kernels() {
                         "  {label} {qs:?}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
                         s * 1e3,
                         qt.nbytes() as f64 / s * 1e-9,
+                        (m * k * n) as f64 / s * 1e-9
+                    );
+                }
+                if format == QFormat::I4 && group == 32 && bias && QSimd::detect() >= QSimd::Avx2 {
+                    // The same shape as `spark-run quantize` writes it: super-block steps.
+                    let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
+                    let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
+                    let wk = QMat::with_sides(&qk, half).with_sub_scales();
+                    assert!(wk.sub_scales().is_some());
+                    let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, &wk, &mut out, DType::F32));
+                    eprintln!(
+                        "  {label} AVX2 sub-scales: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        s * 1e3,
+                        qk.nbytes() as f64 / s * 1e-9,
                         (m * k * n) as f64 / s * 1e-9
                     );
                 }

@@ -5,8 +5,9 @@
 //! `weight scale * activation scale`. Int8 weights use the sign trick (`|w|` as the unsigned
 //! operand, the activation's sign flipped where `w < 0`: pairs stay within 2*128*127, no
 //! saturation), so no zero-point correction. Int4 nibbles `0..=15` are the unsigned operand
-//! directly (2*15*127 fits i16); `8 *` the activations' 4-column sums are subtracted from the
-//! eight i32 lanes (exact).
+//! directly (2*15*127 fits i16); their zero point of 8 is taken off after the sum, with the bias
+//! term (`TileArgs::bias_term`: `- 8 scale` per group times the activations' group sums), not
+//! per block in the loop.
 //! Every function is `unsafe` and needs AVX2 and FMA.
 
 #![cfg(target_arch = "x86_64")]
@@ -15,14 +16,17 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{ScaleMode, SideEl, TileArgs, QBLOCK};
+use std::marker::PhantomData;
+
+use super::qmatmul::{ScaleMode, SideEl, TileArgs, H16, QBLOCK, SUPER_BLOCKS};
 
 /// How a weight format turns a 32-block into `vpmaddubsw` operands.
 trait Fmt {
-    /// Whether the unsigned operand carries a zero point of 8 (subtracted via the 4-column sums).
+    /// Whether the unsigned operand carries a zero point of 8 (taken off with the bias term).
     const Z8: bool;
-    /// Block `b` of the packed row at `w`: (unsigned operand, sign source).
-    unsafe fn block(w: *const u8, b: usize) -> (__m256i, __m256i);
+    /// Block `h` (0 or 1) of 64-column chunk `c` of the packed row at `w`: (unsigned operand,
+    /// sign source).
+    unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i);
     /// The 16 i16 pair sums of `w . q` for activation bytes `q`.
     unsafe fn dot16(wu: __m256i, ws: __m256i, q: __m256i) -> __m256i;
 }
@@ -33,8 +37,8 @@ struct I4;
 impl Fmt for I8 {
     const Z8: bool = false;
     #[inline(always)]
-    unsafe fn block(w: *const u8, b: usize) -> (__m256i, __m256i) {
-        let v = _mm256_loadu_si256(w.add(b * QBLOCK) as *const __m256i);
+    unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i) {
+        let v = _mm256_loadu_si256(w.add((2 * c + h) * QBLOCK) as *const __m256i);
         (_mm256_abs_epi8(v), v)
     }
     #[inline(always)]
@@ -46,9 +50,9 @@ impl Fmt for I8 {
 impl Fmt for I4 {
     const Z8: bool = true;
     #[inline(always)]
-    unsafe fn block(w: *const u8, b: usize) -> (__m256i, __m256i) {
-        let v = _mm256_loadu_si256(w.add((b / 2) * 32) as *const __m256i);
-        let v = if b.is_multiple_of(2) { v } else { _mm256_srli_epi16(v, 4) };
+    unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i) {
+        let v = _mm256_loadu_si256(w.add(c * 32) as *const __m256i);
+        let v = if h == 0 { v } else { _mm256_srli_epi16(v, 4) };
         (_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), v)
     }
     #[inline(always)]
@@ -138,8 +142,8 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     let ones = _mm256_set1_epi16(1);
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let pf = a.prefetcher(R, nb);
-    let [ps, pb] = a.side_prefetchers(R, nb);
+    let pf = a.prefetcher(R, nb / 2);
+    let [ps, pb] = a.side_prefetchers(R, nb / 2);
     let table = S::PAIR && R * T * nb <= PROD_CAP;
     let mut prod = [std::mem::MaybeUninit::<f32>::uninit(); PROD_CAP];
     let pp = prod.as_mut_ptr() as *mut f32;
@@ -177,45 +181,42 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             }
         }
     }
-    for b in 0..nb {
-        pf.step(b);
-        ps.step(b);
-        pb.step(b);
-        let mut wu = [_mm256_setzero_si256(); R];
-        let mut ws = [_mm256_setzero_si256(); R];
-        let mut sv = [_mm256_setzero_ps(); R];
-        for r in 0..R {
-            (wu[r], ws[r]) = F::block(a.w.add(r * a.row_bytes), b);
-            if !S::ROW && !table {
-                sv[r] = if convert {
-                    S::sv::<f32>(cp.add(r * a.ng), sidx, b)
-                } else {
-                    S::sv(a.s.cast::<E>().add(r * a.ng), sidx, b)
-                };
-            }
-        }
-        for t in 0..T {
-            let q = _mm256_loadu_si256(a.q.add(t * a.kp + b * QBLOCK) as *const __m256i);
-            let dv = _mm256_broadcast_ss(&*a.d.add(t * nb + b));
-            let z = if F::Z8 {
-                _mm256_slli_epi32::<3>(_mm256_loadu_si256(a.s4.add(t * (a.kp / 4) + b * 8) as *const __m256i))
-            } else {
-                _mm256_setzero_si256()
-            };
+    // By 64-column chunks (two blocks; `kp` is a multiple of 64): an int4 chunk is one 32-byte
+    // load, whose two blocks are its low and high nibbles (no per-block parity test), and the
+    // prefetches step once per chunk.
+    for c in 0..nb / 2 {
+        pf.step(c);
+        ps.step(c);
+        pb.step(c);
+        for h in 0..2 {
+            let b = 2 * c + h;
+            let mut wu = [_mm256_setzero_si256(); R];
+            let mut ws = [_mm256_setzero_si256(); R];
+            let mut sv = [_mm256_setzero_ps(); R];
             for r in 0..R {
-                let mut p = _mm256_madd_epi16(F::dot16(wu[r], ws[r], q), ones);
-                if F::Z8 {
-                    p = _mm256_sub_epi32(p, z);
+                (wu[r], ws[r]) = F::block(a.w.add(r * a.row_bytes), c, h);
+                if !S::ROW && !table {
+                    sv[r] = if convert {
+                        S::sv::<f32>(cp.add(r * a.ng), sidx, b)
+                    } else {
+                        S::sv(a.s.cast::<E>().add(r * a.ng), sidx, b)
+                    };
                 }
-                let p = _mm256_cvtepi32_ps(p);
-                let scale = if table {
-                    _mm256_broadcast_ss(&*pp.add((r * T + t) * nb + b))
-                } else if S::ROW {
-                    dv
-                } else {
-                    _mm256_mul_ps(sv[r], dv)
-                };
-                acc[r][t] = _mm256_fmadd_ps(p, scale, acc[r][t]);
+            }
+            for t in 0..T {
+                let q = _mm256_loadu_si256(a.q.add(t * a.kp + b * QBLOCK) as *const __m256i);
+                let dv = _mm256_broadcast_ss(&*a.d.add(t * nb + b));
+                for r in 0..R {
+                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::dot16(wu[r], ws[r], q), ones));
+                    let scale = if table {
+                        _mm256_broadcast_ss(&*pp.add((r * T + t) * nb + b))
+                    } else if S::ROW {
+                        dv
+                    } else {
+                        _mm256_mul_ps(sv[r], dv)
+                    };
+                    acc[r][t] = _mm256_fmadd_ps(p, scale, acc[r][t]);
+                }
             }
         }
     }
@@ -226,14 +227,110 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             if S::ROW {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term::<E>(r, t);
+            out[r][t] += a.bias_term::<E>(r, t, F::Z8);
         }
     }
     out
 }
 
+/// `R` rows x `T` tokens of an int4 matrix with integer sub-scales (`a.k`, `a.unit`) on
+/// activations with one scale per super-block: per 32-block `vpmaddubsw` (nibbles x
+/// activations), then `vpmaddwd` by the block's `k` (instead of by ones) summed into i32 lanes
+/// across the super-block's eight blocks, converted and scaled once per super-block by `u * d`.
+/// Exact integers throughout: a lane's pair sums reach 2 * 15 * 127 (i16), times `k <= 255`
+/// and over eight blocks 15.5e6 (< 2^24: its f32 conversion is exact too). The zero point of
+/// 8 comes off with the bias term. Per block and token: two multiply-adds and an integer add,
+/// where [`tile`] has two multiply-adds, a conversion and an FMA.
+///
+/// # Safety
+/// AVX2 and FMA; `a` describes `R` packed rows (int4, [`ScaleMode::Pair`]) with sub-scales and
+/// `T` token rows of `a.kp` columns whose scales repeat over each super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn sub_tile<E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+    let nb = a.kp / QBLOCK;
+    let nsb = nb.div_ceil(SUPER_BLOCKS);
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let pf = a.prefetcher(R, nb / 2);
+    // The scales and biases are read by the bias term only, after the loop.
+    let [ps, pb] = a.side_prefetchers(R, nb / 2);
+    for sb in 0..nsb {
+        let (c0, c1) = (sb * SUPER_BLOCKS / 2, ((sb + 1) * SUPER_BLOCKS / 2).min(nb / 2));
+        let mut iacc = [[_mm256_setzero_si256(); T]; R];
+        for c in c0..c1 {
+            pf.step(c);
+            ps.step(c);
+            pb.step(c);
+            for h in 0..2 {
+                let b = 2 * c + h;
+                let mut wu = [_mm256_setzero_si256(); R];
+                let mut kv = [_mm256_setzero_si256(); R];
+                for r in 0..R {
+                    let v = _mm256_loadu_si256(a.w.add(r * a.row_bytes + c * 32) as *const __m256i);
+                    let v = if h == 0 { v } else { _mm256_srli_epi16(v, 4) };
+                    wu[r] = _mm256_and_si256(v, mask);
+                    kv[r] = _mm256_set1_epi16(*a.k.add(r * a.ng + b) as i16);
+                }
+                for t in 0..T {
+                    let q = _mm256_loadu_si256(a.q.add(t * a.kp + b * QBLOCK) as *const __m256i);
+                    for r in 0..R {
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[r], q), kv[r]);
+                        iacc[r][t] = _mm256_add_epi32(iacc[r][t], p);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            let u = *a.unit.add(r * nsb + sb);
+            for t in 0..T {
+                let f = _mm256_set1_ps(u * *a.d.add(t * nb + 2 * c0));
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][t]), f, acc[r][t]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(acc[r][t]) + a.bias_term::<E>(r, t, true);
+        }
+    }
+    out
+}
+
+/// A tile kernel that [`run`] drives over rows and tokens.
+trait Kernel {
+    /// Most tokens per two-row tile (registers).
+    const MAX_T: usize;
+    /// # Safety
+    /// As the kernel's own function.
+    unsafe fn tile<const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R];
+}
+
+/// [`tile`]: per-block float scaling.
+struct Blocks<F, S, E>(PhantomData<(F, S, E)>);
+/// [`sub_tile`]: integer sub-scales.
+struct Sub<E>(PhantomData<E>);
+
+impl<F: Fmt, S: Scale, E: SideEl> Kernel for Blocks<F, S, E> {
+    // Per-block scales run out of registers at 2 x 4: use 2 x 3.
+    const MAX_T: usize = if S::ROW { 4 } else { 3 };
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+        tile::<F, S, E, R, T>(a)
+    }
+}
+
+impl<E: SideEl> Kernel for Sub<E> {
+    const MAX_T: usize = 4;
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+        sub_tile::<E, R, T>(a)
+    }
+}
+
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 x 1 (decode)
-/// or 2 x up to 4 tokens (3 when per-block scales or the int4 correction need registers).
+/// or 2 x up to 4 tokens (3 when per-block scales need registers).
 ///
 /// Scales and biases are f16 when `half`, else f32.
 ///
@@ -246,6 +343,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
     fmt: QFormat,
     mode: ScaleMode,
     half: bool,
+    sub: bool,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -254,10 +352,23 @@ pub(crate) unsafe fn rows_tokens<'a>(
     tmp: &mut [f32],
     ld: usize,
 ) {
+    // The kernel with f32 or f16 scales and biases.
+    macro_rules! sides {
+        ($k:ty, $kh:ty) => {
+            if half {
+                run::<$kh>(args, r0, r1, t0, nt, tmp, ld)
+            } else {
+                run::<$k>(args, r0, r1, t0, nt, tmp, ld)
+            }
+        };
+    }
     macro_rules! go {
         ($f:ty, $s:ty) => {
-            super::by_side!(half, run::<$f, $s>(args, r0, r1, t0, nt, tmp, ld))
+            sides!(Blocks<$f, $s, f32>, Blocks<$f, $s, H16>)
         };
+    }
+    if sub {
+        return sides!(Sub<f32>, Sub<H16>);
     }
     match (fmt, mode) {
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
@@ -274,7 +385,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
 /// # Safety
 /// As [`rows_tokens`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
+unsafe fn run<'a, K: Kernel>(
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -289,8 +400,7 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
         let nr = if r + rt <= r1 { rt } else { 1 };
         let mut t = 0;
         while t < nt {
-            // Per-block scales or the int4 correction run out of registers at 2 x 4: use 2 x 3.
-            let tt = (nt - t).min(if S::ROW && !F::Z8 { 4 } else { 3 });
+            let tt = (nt - t).min(K::MAX_T);
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
                 // The last token tile over these rows: fetch the next rows meanwhile.
@@ -299,7 +409,7 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
             let base = t * ld + r - r0;
             macro_rules! go {
                 ($r:literal, $t:literal) => {{
-                    let o = tile::<F, S, E, $r, $t>(&a);
+                    let o = K::tile::<$r, $t>(&a);
                     for (j, row) in o.iter().enumerate() {
                         for (i, &v) in row.iter().enumerate() {
                             tmp[base + i * ld + j] = v;
@@ -325,22 +435,25 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
     }
 }
 
-/// Quantize one full 32-block of activations at `x` into `q`: returns the scale and the sums
-/// of the two 16-value halves, or `None` when a value is not finite (the caller's scalar path
-/// handles it). The same arithmetic as the scalar path (`amax / 127`, `1 / scale`, round half
-/// to even, clamp to +-127), so the results are identical.
+/// Quantize `sums.len()` consecutive full 32-blocks of activations at `x` into `q`, sharing
+/// one scale (the largest magnitude of them all; one block, or a super-block): returns the
+/// scale and writes each block's two 16-value half sums into `sums`, or `None` when a value is
+/// not finite (the caller's scalar path handles it). The same arithmetic as the scalar path
+/// (`amax / 127`, `1 / scale`, round half to even, clamp to +-127), so the results are
+/// identical.
 ///
 /// # Safety
-/// AVX2; `x` has 32 readable values, `q` 32 writable bytes.
+/// AVX2; `x` has `32 * sums.len()` readable values, `q` as many writable bytes.
 #[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn quantize_block(x: *const f32, q: *mut i8) -> Option<(f32, [i32; 2])> {
-    let v = [_mm256_loadu_ps(x), _mm256_loadu_ps(x.add(8)), _mm256_loadu_ps(x.add(16)), _mm256_loadu_ps(x.add(24))];
+pub(crate) unsafe fn quantize_blocks(x: *const f32, q: *mut i8, sums: &mut [[i32; 2]]) -> Option<f32> {
+    let nblk = sums.len();
     // x * 0 is NaN exactly for infinities and NaNs.
     let z = _mm256_setzero_ps();
     let mut bad = _mm256_setzero_ps();
     let absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
     let mut m = _mm256_setzero_ps();
-    for vi in v {
+    for i in 0..4 * nblk {
+        let vi = _mm256_loadu_ps(x.add(8 * i));
         bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_UNORD_Q>(_mm256_mul_ps(vi, z), z));
         m = _mm256_max_ps(m, _mm256_and_ps(vi, absmask));
     }
@@ -351,24 +464,29 @@ pub(crate) unsafe fn quantize_block(x: *const f32, q: *mut i8) -> Option<(f32, [
     let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
     if amax == 0.0 {
-        std::ptr::write_bytes(q, 0, QBLOCK);
-        return Some((0.0, [0, 0]));
+        std::ptr::write_bytes(q, 0, QBLOCK * nblk);
+        sums.fill([0, 0]);
+        return Some(0.0);
     }
     let s = amax / 127.0;
     let inv = _mm256_set1_ps(1.0 / s);
     let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    let mut iv = [_mm256_setzero_si256(); 4];
-    for (o, vi) in iv.iter_mut().zip(v) {
-        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(vi, inv));
-        *o = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-    }
-    let p8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-    let p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(q as *mut __m256i, p8);
     let hsum_i = |a: __m256i| {
         let s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
         _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)))
     };
-    Some((s, [hsum_i(_mm256_add_epi32(iv[0], iv[1])), hsum_i(_mm256_add_epi32(iv[2], iv[3]))]))
+    for (b, sum) in sums.iter_mut().enumerate() {
+        let mut iv = [_mm256_setzero_si256(); 4];
+        for (j, o) in iv.iter_mut().enumerate() {
+            let vi = _mm256_loadu_ps(x.add(b * QBLOCK + 8 * j));
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(vi, inv));
+            *o = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        }
+        let p8 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        let p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.add(b * QBLOCK) as *mut __m256i, p8);
+        *sum = [hsum_i(_mm256_add_epi32(iv[0], iv[1])), hsum_i(_mm256_add_epi32(iv[2], iv[3]))];
+    }
+    Some(s)
 }

@@ -229,7 +229,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             if S::ROW {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term::<E>(r, t);
+            out[r][t] += a.bias_term::<E>(r, t, false);
         }
     }
     out

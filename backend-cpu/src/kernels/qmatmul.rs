@@ -54,6 +54,29 @@ use super::{Prefetcher, QSimd, SharedOut};
 pub const QBLOCK: usize = 32;
 /// Column padding of the packed rows (one int4 chunk, one AVX-512 register of int8).
 pub const QCHUNK: usize = 64;
+/// Fewest tokens for the AVX2 sub-scale kernel ([`SubScales`]). One token's GEMV streams the
+/// weights at the memory's pace either way (kernel bench, 1.7B shapes, one core: 11.7-20.6
+/// GMAC/s both, run to run), so decode keeps per-block activation scales, the finer ones;
+/// from two tokens on the integer sums pay (4 tokens: 33-36 against 22-23 GMAC/s). From
+/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] still takes the f32
+/// panels: the kernel bench had the sub-scale kernel ahead there too (2048 x 2048, 128 tokens:
+/// 34.8 against 32.4 GMAC/s), but whole-model pp512 was not (three interleaved runs, 11.6 /
+/// 21.3 / 22.6 against 14.5 / 20.6 / 35.2 tok/s), and the panels keep float activations.
+pub const SUB_SCALE_MIN_TOKENS: usize = 2;
+
+/// 32-blocks per int4 super-block ([`spark_core::quant::SUPER_COLS`] columns).
+pub const SUPER_BLOCKS: usize = spark_core::quant::SUPER_COLS / QBLOCK;
+
+/// The integer sub-scales of an int4 matrix in groups of 32 whose steps are `k * u` per row and
+/// super-block, `u` a power of two and `k` in 0..=255 (what `spark-run quantize` writes:
+/// `spark_core::quant::SUPER_COLS`). The AVX2 kernel then sums a super-block's eight blocks
+/// in integers, `k` the second operand of `vpmaddwd`, and converts once per super-block.
+pub struct SubScales {
+    /// `[rows, ng]`: `k`.
+    pub k: Vec<u8>,
+    /// `[rows, ng / 8]` (rounded up): `u`.
+    pub unit: Vec<f32>,
+}
 
 /// How a 32-block finds its weight scales (all groups are multiples of 16).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +209,8 @@ pub struct QMat {
     bias: Option<Side>,
     /// Group of each 16-column half-block, `kp / 16` entries (padding: the last group).
     sidx: Vec<u32>,
+    /// Integer sub-scales, where built ([`QMat::with_sub_scales`]).
+    sub: Option<SubScales>,
 }
 
 impl std::fmt::Debug for QMat {
@@ -221,7 +246,12 @@ impl QMat {
     /// Repack `q` (checked with [`QMat::supports`] and `validate`) for this CPU
     /// ([`QMat::f16_sides_pay`]).
     pub fn from_qtensor(q: &QTensor) -> QMat {
-        Self::with_sides(q, Self::f16_sides_pay())
+        let m = Self::with_sides(q, Self::f16_sides_pay());
+        if QSimd::detect() == QSimd::Avx2 {
+            m.with_sub_scales()
+        } else {
+            m
+        }
     }
 
     /// Repack `q` (checked with [`QMat::supports`] and `validate`), one row at a time into the
@@ -280,7 +310,44 @@ impl QMat {
             scales: Side::new(&q.scales, half),
             bias: q.bias.as_ref().map(|b| Side::new(b, half)),
             sidx,
+            sub: None,
         }
+    }
+
+    /// The same matrix with integer sub-scales ([`SubScales`]) when its scales have that form
+    /// (int4 in groups of 32 without column padding, every row's super-blocks `k * u`), else
+    /// unchanged. The AVX2 level builds them ([`QMat::from_qtensor`]); one byte per 32 weights
+    /// and one f32 per 256 more.
+    pub fn with_sub_scales(mut self) -> QMat {
+        if self.format != QFormat::I4 || self.mode != ScaleMode::Pair {
+            return self;
+        }
+        let (ng, nsb) = (self.ng, self.ng.div_ceil(SUPER_BLOCKS));
+        let mut k = vec![0u8; self.rows * ng];
+        let mut unit = vec![0.0f32; self.rows * nsb];
+        let scales = &self.scales;
+        let ok = k.par_chunks_mut(ng).zip(unit.par_chunks_mut(nsb)).enumerate().all(|(r, (kr, ur))| {
+            let mut row = vec![0.0f32; ng];
+            scales.get_into(r * ng, &mut row);
+            row.chunks(SUPER_BLOCKS).zip(kr.chunks_mut(SUPER_BLOCKS)).zip(ur.iter_mut()).all(|((sb, ks), u)| {
+                let dmax = sb.iter().fold(0.0f32, |a, &v| a.max(v));
+                *u = if dmax > 0.0 { spark_core::quant::super_unit(dmax) } else { 1.0 };
+                sb.iter().zip(ks.iter_mut()).all(|(&v, kv)| {
+                    let m = v / *u;
+                    *kv = m as u8;
+                    (0.0..=255.0).contains(&m) && m.fract() == 0.0
+                })
+            })
+        });
+        if ok {
+            self.sub = Some(SubScales { k, unit });
+        }
+        self
+    }
+
+    /// The integer sub-scales, if built and the scales have that form.
+    pub fn sub_scales(&self) -> Option<&SubScales> {
+        self.sub.as_ref()
     }
 
     /// All packed rows.
@@ -317,7 +384,11 @@ impl QMat {
 
     /// Bytes held (values, scales, biases, table).
     pub fn nbytes(&self) -> usize {
-        self.data.len() + self.scales.nbytes() + self.bias.as_ref().map_or(0, |b| b.nbytes()) + 4 * self.sidx.len()
+        self.data.len()
+            + self.scales.nbytes()
+            + self.bias.as_ref().map_or(0, |b| b.nbytes())
+            + 4 * self.sidx.len()
+            + self.sub.as_ref().map_or(0, |s| s.k.len() + 4 * s.unit.len())
     }
 
     /// The integer value of element `c` of row `r` minus the zero point.
@@ -466,6 +537,9 @@ pub struct QAct {
     pub ng: usize,
     /// `[n, kp / 4]`: the sum of each 4 consecutive values of `q` (zero-point corrections).
     pub s4: Vec<i32>,
+    /// Consecutive blocks that share one scale (1 or [`SUPER_BLOCKS`]; `d` holds it per block
+    /// either way, so every kernel reads these activations alike).
+    pub span: usize,
 }
 
 impl QAct {
@@ -478,16 +552,39 @@ impl QAct {
     /// As [`QAct::quantize`] with a given path (capped at what the CPU has). Tokens are
     /// quantized in parallel on the current rayon pool when there are many.
     pub fn quantize_with(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat) -> QAct {
+        Self::quantize_spans(qs, x, n, k, w, 1)
+    }
+
+    /// Quantize `x` for the integer kernels of level `qs` on `w`: one scale per
+    /// [`SUPER_BLOCKS`] blocks where the AVX2 sub-scale kernel takes `w` ([`QMat::sub_scales`]),
+    /// else per block (what [`QAct::quantize`] gives).
+    pub fn quantize_for(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat) -> QAct {
+        let sub = qs.min(QSimd::detect()) == QSimd::Avx2 && w.sub.is_some() && n >= SUB_SCALE_MIN_TOKENS;
+        let span = if sub { SUPER_BLOCKS } else { 1 };
+        Self::quantize_spans(QSimd::detect(), x, n, k, w, span)
+    }
+
+    /// The activations with one scale per `span` consecutive blocks (1 or [`SUPER_BLOCKS`]).
+    pub fn quantize_spans(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, span: usize) -> QAct {
+        assert!(span == 1 || span == SUPER_BLOCKS, "QAct::quantize: span {span}");
         assert_eq!(k, w.cols, "QAct::quantize: columns");
         assert_eq!(x.len(), n * k, "QAct::quantize: x has the wrong size");
         let simd = qs.min(QSimd::detect()) >= QSimd::Avx2;
         let (kp, ng) = (w.kp, w.ng);
         let nb = kp / QBLOCK;
-        let mut qa =
-            QAct { n, kp, q: vec![0; n * kp], d: vec![0.0; n * nb], a: vec![0.0; n * ng], ng, s4: vec![0; n * kp / 4] };
+        let mut qa = QAct {
+            n,
+            kp,
+            q: vec![0; n * kp],
+            d: vec![0.0; n * nb],
+            a: vec![0.0; n * ng],
+            ng,
+            s4: vec![0; n * kp / 4],
+            span,
+        };
         type Token<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [i32]), (&'a mut [f32], &'a mut [f32]));
         let one = |(((xr, q), s4), (d, a)): Token<'_>| {
-            quantize_row(xr, q, s4, d, a, &w.sidx, simd);
+            quantize_row(xr, q, s4, d, a, &w.sidx, simd, span);
         };
         if n >= 8 {
             x.par_chunks(k.max(1))
@@ -526,55 +623,74 @@ impl QAct {
 
 /// One token: `q`/`d` from `x`, and the group sums `a` (via the half-block sums). `simd`: full
 /// blocks through [`super::qavx2::quantize_block`] (identical results).
-fn quantize_row(x: &[f32], q: &mut [i8], s4: &mut [i32], d: &mut [f32], a: &mut [f32], sidx: &[u32], simd: bool) {
+#[allow(clippy::too_many_arguments)]
+fn quantize_row(
+    x: &[f32],
+    q: &mut [i8],
+    s4: &mut [i32],
+    d: &mut [f32],
+    a: &mut [f32],
+    sidx: &[u32],
+    simd: bool,
+    span: usize,
+) {
     a.fill(0.0);
-    quantize_values(x, q, d, a, sidx, simd);
+    quantize_values(x, q, d, a, sidx, simd, span);
     for (o, quad) in s4.iter_mut().zip(q.chunks_exact(4)) {
         *o = quad.iter().map(|&v| v as i32).sum();
     }
 }
 
-/// `q`, `d` and `a` of one token.
-fn quantize_values(x: &[f32], q: &mut [i8], d: &mut [f32], a: &mut [f32], sidx: &[u32], simd: bool) {
+/// `q`, `d` and `a` of one token, `span` consecutive 32-blocks sharing one scale (1, or
+/// [`SUPER_BLOCKS`] for the AVX2 sub-scale kernel; the last span of a row may be shorter).
+fn quantize_values(x: &[f32], q: &mut [i8], d: &mut [f32], a: &mut [f32], sidx: &[u32], simd: bool, span: usize) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = simd;
-    for (b, db) in d.iter_mut().enumerate() {
-        let c0 = b * QBLOCK;
+    let nb = d.len();
+    let mut sums = [[0i32; 2]; SUPER_BLOCKS];
+    'spans: for b0 in (0..nb).step_by(span) {
+        let b1 = (b0 + span).min(nb);
+        let c0 = b0 * QBLOCK;
         if c0 >= x.len() {
-            *db = 0.0;
+            d[b0..b1].fill(0.0);
             continue;
         }
-        let xs = &x[c0..(c0 + QBLOCK).min(x.len())];
+        let xs = &x[c0..(b1 * QBLOCK).min(x.len())];
         let qs = &mut q[c0..c0 + xs.len()];
-        #[cfg(target_arch = "x86_64")]
-        if simd && xs.len() == QBLOCK {
-            // SAFETY: `simd` is only set when AVX2 was detected; both blocks hold 32 values.
-            if let Some((s, sums)) = unsafe { super::qavx2::quantize_block(xs.as_ptr(), qs.as_mut_ptr()) } {
-                *db = s;
-                for (h, &sum) in sums.iter().enumerate() {
-                    a[sidx[2 * b + h] as usize] += s * sum as f32;
+        let sums = &mut sums[..b1 - b0];
+        let scale = 'scale: {
+            #[cfg(target_arch = "x86_64")]
+            if simd && xs.len() == QBLOCK * sums.len() {
+                // SAFETY: `simd` is only set when AVX2 was detected; `xs` and `qs` hold the
+                // blocks' values.
+                if let Some(s) = unsafe { super::qavx2::quantize_blocks(xs.as_ptr(), qs.as_mut_ptr(), sums) } {
+                    break 'scale s;
                 }
-                continue;
             }
-        }
-        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        if amax == 0.0 || !xs.iter().all(|v| v.is_finite()) {
-            // Zeros; or a non-finite input, which the NaN scale carries into every output.
-            qs.fill(0);
-            *db = if xs.iter().all(|v| v.is_finite()) { 0.0 } else { f32::NAN };
-            continue;
-        }
-        let s = amax / 127.0;
-        let inv = 1.0 / s;
-        let mut sums = [0i32; 2];
-        for (j, (o, &v)) in qs.iter_mut().zip(xs).enumerate() {
-            let qi = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
-            *o = qi;
-            sums[j / 16] += qi as i32;
-        }
-        *db = s;
-        for (h, &sum) in sums.iter().enumerate() {
-            a[sidx[2 * b + h] as usize] += s * sum as f32;
+            let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if amax == 0.0 || !xs.iter().all(|v| v.is_finite()) {
+                // Zeros; or a non-finite input, which the NaN scale carries into every output.
+                qs.fill(0);
+                d[b0..b1].fill(if xs.iter().all(|v| v.is_finite()) { 0.0 } else { f32::NAN });
+                continue 'spans;
+            }
+            let s = amax / 127.0;
+            let inv = 1.0 / s;
+            sums.fill([0, 0]);
+            for (j, (o, &v)) in qs.iter_mut().zip(xs).enumerate() {
+                let qi = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *o = qi;
+                sums[j / QBLOCK][j % QBLOCK / 16] += qi as i32;
+            }
+            s
+        };
+        for (i, sum) in sums.iter().enumerate() {
+            let b = b0 + i;
+            // A block wholly in the padding keeps scale 0 (its values are 0 either way).
+            d[b] = if b * QBLOCK < x.len() { scale } else { 0.0 };
+            for (h, &v) in sum.iter().enumerate() {
+                a[sidx[2 * b + h] as usize] += scale * v as f32;
+            }
         }
     }
 }
@@ -608,6 +724,10 @@ pub(crate) struct TileArgs<'a> {
     /// The token tile's group sums `A` (`ng` apart), for the bias term.
     pub ga: *const f32,
     pub kp: usize,
+    /// The tile's first row's integer sub-scales `k` (`ng` apart) and super-block units (`ng /
+    /// 8` rounded up apart), or null: [`SubScales`], for the AVX2 sub-scale kernel.
+    pub k: *const u8,
+    pub unit: *const f32,
     /// How many packed rows after the tile's own (they exist in `w`) to prefetch while it runs
     /// (0: none); see [`super::Prefetcher`].
     pub next_rows: usize,
@@ -630,31 +750,43 @@ impl TileArgs<'_> {
     }
 
     /// Row `r`'s (of the tile) bias term for token `t`: `sum_g bias[r, g] * A[t, g]`, 0 without
-    /// biases (eight partial sums).
+    /// biases (eight partial sums). With `zero8`, also the int4 zero point's: the kernel then
+    /// summed the nibbles `0..=15` as they are, and `sum_g (bias[r, g] - 8 scale[r, g]) A[t, g]`
+    /// adds what `- 8` would have (a row scale, `ng == 1`, is the same formula).
     ///
     /// # Safety
-    /// `r` and `t` are inside the tile the arguments describe; the biases are `E`s; AVX2, FMA
-    /// and F16C (inlined into the kernels, which enable them).
+    /// `r` and `t` are inside the tile the arguments describe; the scales and biases are `E`s;
+    /// AVX2, FMA and F16C (inlined into the kernels, which enable them).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub unsafe fn bias_term<E: SideEl>(&self, r: usize, t: usize) -> f32 {
+    pub unsafe fn bias_term<E: SideEl>(&self, r: usize, t: usize, zero8: bool) -> f32 {
         use std::arch::x86_64::*;
-        if self.b.is_null() {
+        let nob = self.b.is_null();
+        if nob && !zero8 {
             return 0.0;
         }
-        // SAFETY: the caller's rows and tokens have `ng` biases / group sums each.
+        // SAFETY: the caller's rows and tokens have `ng` scales, biases (when not null) and group
+        // sums each.
         unsafe {
-            let (b, a) = (self.b.cast::<E>().add(r * self.ng), self.ga.add(t * self.ng));
+            let (s, a) = (self.s.cast::<E>().add(r * self.ng), self.ga.add(t * self.ng));
+            let b = self.b.cast::<E>().wrapping_add(r * self.ng);
+            let z = if zero8 { -8.0 } else { 0.0 };
             let n8 = self.ng / 8 * 8;
             let mut acc = _mm256_setzero_ps();
             for i in (0..n8).step_by(8) {
-                acc = _mm256_fmadd_ps(E::load8(b.add(i)), _mm256_loadu_ps(a.add(i)), acc);
+                let w = match (nob, zero8) {
+                    (true, _) => _mm256_mul_ps(E::load8(s.add(i)), _mm256_set1_ps(z)),
+                    (false, true) => _mm256_fmadd_ps(E::load8(s.add(i)), _mm256_set1_ps(z), E::load8(b.add(i))),
+                    (false, false) => E::load8(b.add(i)),
+                };
+                acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.add(i)), acc);
             }
-            let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let mut sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+            let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
             for i in n8..self.ng {
-                sum += E::get(b, i) * *a.add(i);
+                let bias = if nob { 0.0 } else { E::get(b, i) };
+                sum += (z * E::get(s, i) + bias) * *a.add(i);
             }
             sum
         }
@@ -770,7 +902,7 @@ pub fn qmatmul(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f3
     let m = w.rows;
     assert_eq!(out.len(), n * m, "qmatmul: out has the wrong size");
     let qs = qs.min(QSimd::detect());
-    let act = QAct::quantize(x, n, k, w);
+    let act = QAct::quantize_for(qs, x, n, k, w);
     qmatmul_quantized(qs, &act, w, out, round);
 }
 
@@ -833,6 +965,8 @@ pub(super) fn rows_tokens(
     let ng = w.ng;
     let (sp, side_bytes) = w.scales.raw();
     let bp = w.bias.as_ref().map_or(std::ptr::null(), |b| b.raw().0);
+    // The sub-scale kernel needs activations with one scale per super-block.
+    let sub = w.sub.as_ref().filter(|_| act.span == SUPER_BLOCKS && qs == QSimd::Avx2);
     let args = |r: usize, t: usize| TileArgs {
         w: w.packed()[r * rb..].as_ptr(),
         row_bytes: rb,
@@ -846,6 +980,8 @@ pub(super) fn rows_tokens(
         b: if bp.is_null() { bp } else { bp.wrapping_add(r * ng * side_bytes) },
         ga: act.a[t * ng..].as_ptr(),
         kp: w.kp,
+        k: sub.map_or(std::ptr::null(), |s| s.k[r * ng..].as_ptr()),
+        unit: sub.map_or(std::ptr::null(), |s| s.unit[r * ng.div_ceil(SUPER_BLOCKS)..].as_ptr()),
         next_rows: 0,
     };
     let ld = r1 - r0;
@@ -856,8 +992,10 @@ pub(super) fn rows_tokens(
         QSimd::Avx2 => {
             // SAFETY: QSimd::Avx2 (clamped to the detected level) implies AVX2, FMA and F16C;
             // every tile's rows and tokens are inside `w` and `act`, its scales and biases `ng`
-            // per row of `side_bytes` each (f16 exactly when `half`); `tmp` holds nt * ld.
-            unsafe { super::qavx2::rows_tokens(w.format, w.mode, half, &args, r0, r1, t0, nt, tmp, ld) }
+            // per row of `side_bytes` each (f16 exactly when `half`); with `sub`, the tiles'
+            // sub-scales and units point into `w`'s and the activations share one scale per
+            // super-block; `tmp` holds nt * ld.
+            unsafe { super::qavx2::rows_tokens(w.format, w.mode, half, sub.is_some(), &args, r0, r1, t0, nt, tmp, ld) }
         }
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx512Vnni | QSimd::AmxInt8 => {
