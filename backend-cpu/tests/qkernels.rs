@@ -117,6 +117,24 @@ fn levels() -> Vec<QSimd> {
     all.into_iter().filter(|&q| q <= QSimd::detect()).collect()
 }
 
+/// The f64 reference of `[rows, cols]` dequantized weights times the dequantized int8
+/// activations, `[n][rows]`, with the sum of |terms| of each output (the error scale).
+fn f64_reference(deq: &[f32], act: &QAct, rows: usize, cols: usize) -> (Vec<f64>, Vec<f64>) {
+    let n = act.n;
+    let mut want = vec![0.0f64; n * rows];
+    let mut mag = vec![0.0f64; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            for c in 0..cols {
+                let term = deq[r * cols + c] as f64 * act.value(t, c) as f64;
+                want[t * rows + r] += term;
+                mag[t * rows + r] += term.abs();
+            }
+        }
+    }
+    (want, mag)
+}
+
 #[test]
 fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
     let mut seed = 11u64;
@@ -135,18 +153,7 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
             for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
                 let x = random_x(n, cols, &mut seed);
                 let act = QAct::quantize(&x, n, cols, &w);
-                // f64 reference: dequantized weights times the dequantized int8 activations.
-                let mut want = vec![0.0f64; n * rows];
-                let mut mag = vec![0.0f64; n * rows];
-                for t in 0..n {
-                    for r in 0..rows {
-                        for c in 0..cols {
-                            let term = deq[r * cols + c] as f64 * act.value(t, c) as f64;
-                            want[t * rows + r] += term;
-                            mag[t * rows + r] += term.abs();
-                        }
-                    }
-                }
+                let (want, mag) = f64_reference(&deq, &act, rows, cols);
                 for qs in levels() {
                     for pool in &pools {
                         let mut out = vec![f32::NAN; n * rows];
@@ -218,17 +225,7 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
                         );
                     }
                 }
-                let mut want = vec![0.0f64; n * rows];
-                let mut mag = vec![0.0f64; n * rows];
-                for t in 0..n {
-                    for r in 0..rows {
-                        for c in 0..cols {
-                            let term = deq[r * cols + c] as f64 * act.value(t, c) as f64;
-                            want[t * rows + r] += term;
-                            mag[t * rows + r] += term.abs();
-                        }
-                    }
-                }
+                let (want, mag) = f64_reference(&deq, &act, rows, cols);
                 for qs in levels() {
                     let mut out = vec![f32::NAN; n * rows];
                     pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));

@@ -250,7 +250,6 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
 unsafe fn sub_tile<E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
     let nb = a.kp / QBLOCK;
     let nsb = nb.div_ceil(SUPER_BLOCKS);
-    let mask = _mm256_set1_epi8(0x0F);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nb / 2);
     // The scales and biases are read by the bias term only, after the loop.
@@ -267,9 +266,7 @@ unsafe fn sub_tile<E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) 
                 let mut wu = [_mm256_setzero_si256(); R];
                 let mut kv = [_mm256_setzero_si256(); R];
                 for r in 0..R {
-                    let v = _mm256_loadu_si256(a.w.add(r * a.row_bytes + c * 32) as *const __m256i);
-                    let v = if h == 0 { v } else { _mm256_srli_epi16(v, 4) };
-                    wu[r] = _mm256_and_si256(v, mask);
+                    wu[r] = I4::block(a.w.add(r * a.row_bytes), c, h).0;
                     kv[r] = _mm256_set1_epi16(*a.k.add(r * a.ng + b) as i16);
                 }
                 for t in 0..T {
