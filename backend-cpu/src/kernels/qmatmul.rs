@@ -59,9 +59,10 @@ pub const QCHUNK: usize = 64;
 /// GMAC/s both, run to run), so decode keeps per-block activation scales, the finer ones;
 /// from two tokens on the integer sums pay (4 tokens: 33-36 against 22-23 GMAC/s). From
 /// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] still takes the f32
-/// panels: the kernel bench had the sub-scale kernel ahead there too (2048 x 2048, 128 tokens:
-/// 34.8 against 32.4 GMAC/s), but whole-model pp512 was not (three interleaved runs, 11.6 /
-/// 21.3 / 22.6 against 14.5 / 20.6 / 35.2 tok/s), and the panels keep float activations.
+/// panels: the one-thread kernel bench had the sub-scale kernel ahead there too (128 tokens,
+/// the three 1.7B shapes: 32.3-34.8 against 27.3-32.4 GMAC/s), but whole-model prefill was not
+/// (pp256, 2 threads, four interleaved runs: 25.9-28.9 against 30.2-31.8 tok/s; the same at
+/// one thread), for reasons not found yet; and the panels keep float activations.
 pub const SUB_SCALE_MIN_TOKENS: usize = 2;
 
 /// 32-blocks per int4 super-block ([`spark_core::quant::SUPER_COLS`] columns).
