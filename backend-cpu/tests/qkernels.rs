@@ -187,9 +187,9 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
 
 /// Int4 in groups of 32 as `spark-run quantize` writes it (steps `k * u` per super-block) gets
 /// integer sub-scales, and at the AVX2 level its activations share one scale per super-block
-/// and the sub-scale kernel sums each super-block in integers: against the f64 reference on
-/// the same activations at every level, odd shapes (a partial last super-block), f32 and f16
-/// sides. Scales without that form get no sub-scales.
+/// and the super-block kernel sums each super-block in integers, as for int8 with per-row
+/// scales: against the f64 reference on the same activations at every level, odd shapes (a
+/// partial last super-block), f32 and f16 sides. Scales without that form get no sub-scales.
 #[test]
 fn avx2_sub_scale_kernel_matches_f64_reference() {
     use spark_core::quant::{quantize, QuantSpec};
@@ -200,15 +200,20 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
         let vals: Vec<f32> = (0..rows * cols)
             .map(|i| unit(&mut seed) * 0.02 * (1.0 + (i / 32 % 5) as f32) * (1.0 + (i / cols) as f32))
             .collect();
-        let qt = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
-        let deq = qt.dequantize();
-        for half in [false, true] {
-            let w = QMat::with_sides(&qt, half).with_sub_scales();
-            let sub = w.sub_scales().expect("quantize's int4 g32 has super-block steps");
-            for r in 0..rows {
-                for g in 0..cols / 32 {
-                    let (k, u) = (sub.k[r * (cols / 32) + g] as f32, sub.unit[r * (cols / 32).div_ceil(8) + g / 8]);
-                    assert_eq!(k * u, qt.scales[r * (cols / 32) + g], "row {r} group {g}");
+        let int4 = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        // Int8 per row (every byte value, -128 included) sums super-blocks without sub-scales.
+        let int8 = random_q(rows, cols, QFormat::I8, cols, false, false, &mut seed);
+        for (qt, half) in [(&int4, false), (&int4, true), (&int8, false)] {
+            let deq = qt.dequantize();
+            let w = QMat::with_sides(qt, half).with_sub_scales();
+            assert!(w.sums_super_blocks());
+            if qt.format == QFormat::I4 {
+                let sub = w.sub_scales().expect("quantize's int4 g32 has super-block steps");
+                for r in 0..rows {
+                    for g in 0..cols / 32 {
+                        let (k, u) = (sub.k[r * (cols / 32) + g] as f32, sub.unit[r * (cols / 32).div_ceil(8) + g / 8]);
+                        assert_eq!(k * u, qt.scales[r * (cols / 32) + g], "row {r} group {g}");
+                    }
                 }
             }
             for &n in &[1usize, 2, 3, 4, 7, 17] {
@@ -233,7 +238,8 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
                         let err = (out[i] as f64 - want[i]).abs();
                         assert!(
                             err <= 1e-5 * mag[i] + 1e-30,
-                            "{qs:?} half {half} n={n} cols={cols} rows={rows}: out[{i}] = {} want {} (sum|terms| {})",
+                            "{} {qs:?} half {half} n={n} cols={cols} rows={rows}: out[{i}] = {} want {} (sum|terms| {})",
+                            qt.format,
                             out[i],
                             want[i],
                             mag[i]

@@ -233,26 +233,32 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     out
 }
 
-/// `R` rows x `T` tokens of an int4 matrix with integer sub-scales (`a.k`, `a.unit`) on
-/// activations with one scale per super-block: per 32-block `vpmaddubsw` (nibbles x
-/// activations), then `vpmaddwd` by the block's `k` (instead of by ones) summed into i32 lanes
-/// across the super-block's eight blocks, converted and scaled once per super-block by `u * d`.
-/// Exact integers throughout: a lane's pair sums reach 2 * 15 * 127 (i16), times `k <= 255`
-/// and over eight blocks 15.5e6 (< 2^24: its f32 conversion is exact too). The zero point of
-/// 8 comes off with the bias term. Per block and token: two multiply-adds and an integer add,
-/// where [`tile`] has two multiply-adds, a conversion and an FMA.
+/// `R` rows x `T` tokens summed in integers across each super-block, on activations with one
+/// scale per super-block: int4 with integer sub-scales (`K`: `a.k`, `a.unit`), or int8 with one
+/// scale per row (`!K`). Per 32-block `vpmaddubsw` ([`Fmt::dot16`]), then `vpmaddwd` by the
+/// block's `k` (int4) or by ones (int8), summed into i32 lanes across the super-block's eight
+/// blocks, converted and scaled once per super-block by `u * d` (int4) or `d` (int8, the row
+/// scale after the sum). Exact integers throughout: a lane's pair sums reach 2 * 15 * 127
+/// (int4), times `k <= 255` and over eight blocks 15.5e6, or 2 * 128 * 127 (int8) times 2 and 8:
+/// 520e3 (both < 2^24: the f32 conversion is exact too). The int4 zero point of 8 comes off
+/// with the bias term. Per block and token: two multiply-adds and an integer add (int8: and the
+/// sign), where [`tile`] has two multiply-adds, a conversion and an FMA.
 ///
 /// # Safety
-/// AVX2 and FMA; `a` describes `R` packed rows (int4, [`ScaleMode::Pair`]) with sub-scales and
-/// `T` token rows of `a.kp` columns whose scales repeat over each super-block.
+/// AVX2 and FMA; `a` describes `R` packed rows (int4 [`ScaleMode::Pair`] with sub-scales, or
+/// int8 [`ScaleMode::Row`]) and `T` token rows of `a.kp` columns whose scales repeat over each
+/// super-block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn sub_tile<E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
+unsafe fn sub_tile<F: Fmt, E: SideEl, const K: bool, const R: usize, const T: usize>(
+    a: &TileArgs<'_>,
+) -> [[f32; T]; R] {
     let nb = a.kp / QBLOCK;
     let nsb = nb.div_ceil(SUPER_BLOCKS);
+    let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nb / 2);
-    // The scales and biases are read by the bias term only, after the loop.
+    // The scales and biases are read after the loop only.
     let [ps, pb] = a.side_prefetchers(R, nb / 2);
     for sb in 0..nsb {
         let (c0, c1) = (sb * SUPER_BLOCKS / 2, ((sb + 1) * SUPER_BLOCKS / 2).min(nb / 2));
@@ -264,22 +270,25 @@ unsafe fn sub_tile<E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) 
             for h in 0..2 {
                 let b = 2 * c + h;
                 let mut wu = [_mm256_setzero_si256(); R];
-                let mut kv = [_mm256_setzero_si256(); R];
+                let mut ws = [_mm256_setzero_si256(); R];
+                let mut kv = [ones; R];
                 for r in 0..R {
-                    wu[r] = I4::block(a.w.add(r * a.row_bytes), c, h).0;
-                    kv[r] = _mm256_set1_epi16(*a.k.add(r * a.ng + b) as i16);
+                    (wu[r], ws[r]) = F::block(a.w.add(r * a.row_bytes), c, h);
+                    if K {
+                        kv[r] = _mm256_set1_epi16(*a.k.add(r * a.ng + b) as i16);
+                    }
                 }
                 for t in 0..T {
                     let q = _mm256_loadu_si256(a.q.add(t * a.kp + b * QBLOCK) as *const __m256i);
                     for r in 0..R {
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[r], q), kv[r]);
+                        let p = _mm256_madd_epi16(F::dot16(wu[r], ws[r], q), kv[r]);
                         iacc[r][t] = _mm256_add_epi32(iacc[r][t], p);
                     }
                 }
             }
         }
         for r in 0..R {
-            let u = *a.unit.add(r * nsb + sb);
+            let u = if K { *a.unit.add(r * nsb + sb) } else { 1.0 };
             for t in 0..T {
                 let f = _mm256_set1_ps(u * *a.d.add(t * nb + 2 * c0));
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][t]), f, acc[r][t]);
@@ -289,7 +298,11 @@ unsafe fn sub_tile<E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) 
     let mut out = [[0.0f32; T]; R];
     for r in 0..R {
         for t in 0..T {
-            out[r][t] = hsum(acc[r][t]) + a.bias_term::<E>(r, t, true);
+            out[r][t] = hsum(acc[r][t]);
+            if !K {
+                out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
+            }
+            out[r][t] += a.bias_term::<E>(r, t, F::Z8);
         }
     }
     out
@@ -306,8 +319,8 @@ trait Kernel {
 
 /// [`tile`]: per-block float scaling.
 struct Blocks<F, S, E>(PhantomData<(F, S, E)>);
-/// [`sub_tile`]: integer sub-scales.
-struct Sub<E>(PhantomData<E>);
+/// [`sub_tile`]: integer sums per super-block (`K`: with int4 sub-scales).
+struct Sub<F, E, const K: bool>(PhantomData<(F, E)>);
 
 impl<F: Fmt, S: Scale, E: SideEl> Kernel for Blocks<F, S, E> {
     // Per-block scales run out of registers at 2 x 4: use 2 x 3.
@@ -318,29 +331,30 @@ impl<F: Fmt, S: Scale, E: SideEl> Kernel for Blocks<F, S, E> {
     }
 }
 
-impl<E: SideEl> Kernel for Sub<E> {
+impl<F: Fmt, E: SideEl, const K: bool> Kernel for Sub<F, E, K> {
     const MAX_T: usize = 4;
     #[inline(always)]
     unsafe fn tile<const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
-        sub_tile::<E, R, T>(a)
+        sub_tile::<F, E, K, R, T>(a)
     }
 }
 
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 x 1 (decode)
 /// or 2 x up to 4 tokens (3 when per-block scales need registers).
 ///
-/// Scales and biases are f16 when `half`, else f32.
+/// Scales and biases are f16 when `half`, else f32. With `sums`, [`sub_tile`] (int4 with
+/// sub-scales or int8 per row, activations with one scale per super-block).
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `args(r, t)` describes packed row `r` and token `t` of matching buffers
 /// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type `half`
-/// says; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+/// says (and with `sums`, what [`sub_tile`] needs); `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
     fmt: QFormat,
     mode: ScaleMode,
     half: bool,
-    sub: bool,
+    sums: bool,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -364,8 +378,11 @@ pub(crate) unsafe fn rows_tokens<'a>(
             sides!(Blocks<$f, $s, f32>, Blocks<$f, $s, H16>)
         };
     }
-    if sub {
-        return sides!(Sub<f32>, Sub<H16>);
+    if sums {
+        return match fmt {
+            QFormat::I4 => sides!(Sub<I4, f32, true>, Sub<I4, H16, true>),
+            QFormat::I8 => sides!(Sub<I8, f32, false>, Sub<I8, H16, false>),
+        };
     }
     match (fmt, mode) {
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),

@@ -54,10 +54,12 @@ use super::{Prefetcher, QSimd, SharedOut};
 pub const QBLOCK: usize = 32;
 /// Column padding of the packed rows (one int4 chunk, one AVX-512 register of int8).
 pub const QCHUNK: usize = 64;
-/// Fewest tokens for the AVX2 sub-scale kernel ([`SubScales`]). One token's GEMV streams the
-/// weights at the memory's pace either way (kernel bench, 1.7B shapes, one core: 11.7-20.6
-/// GMAC/s both, run to run), so decode keeps per-block activation scales, the finer ones;
-/// from two tokens on the integer sums pay (4 tokens: 33-36 against 22-23 GMAC/s). From
+/// Fewest tokens for the AVX2 super-block kernel (int4 with [`SubScales`], int8 per row:
+/// [`QMat::sums_super_blocks`]). One token's GEMV streams the weights at the memory's pace
+/// either way (kernel bench, 1.7B shapes, one core: 11.7-20.6 GMAC/s both, run to run), so
+/// decode keeps per-block activation scales, the finer ones; from two tokens on the integer
+/// sums pay (int4, 4 tokens: 33-36 against 22-23 GMAC/s; whole-model batched decode +16-34 %
+/// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From
 /// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] still takes the f32
 /// panels: the one-thread kernel bench had the sub-scale kernel ahead there too (128 tokens,
 /// the three 1.7B shapes: 32.3-34.8 against 27.3-32.4 GMAC/s), but whole-model prefill was not
@@ -351,6 +353,12 @@ impl QMat {
         self.sub.as_ref()
     }
 
+    /// Whether the AVX2 level sums this matrix's super-blocks in integers: int4 with
+    /// sub-scales, or int8 with one scale per row (no per-block weight scale at all).
+    pub fn sums_super_blocks(&self) -> bool {
+        self.sub.is_some() || (self.format == QFormat::I8 && self.mode == ScaleMode::Row)
+    }
+
     /// All packed rows.
     pub fn packed(&self) -> &[u8] {
         &self.data[self.off..self.off + self.rows * self.row_bytes()]
@@ -560,7 +568,7 @@ impl QAct {
     /// [`SUPER_BLOCKS`] blocks where the AVX2 sub-scale kernel takes `w` ([`QMat::sub_scales`]),
     /// else per block (what [`QAct::quantize`] gives).
     pub fn quantize_for(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat) -> QAct {
-        let sub = qs.min(QSimd::detect()) == QSimd::Avx2 && w.sub.is_some() && n >= SUB_SCALE_MIN_TOKENS;
+        let sub = qs.min(QSimd::detect()) == QSimd::Avx2 && w.sums_super_blocks() && n >= SUB_SCALE_MIN_TOKENS;
         let span = if sub { SUPER_BLOCKS } else { 1 };
         Self::quantize_spans(QSimd::detect(), x, n, k, w, span)
     }
@@ -966,8 +974,9 @@ pub(super) fn rows_tokens(
     let ng = w.ng;
     let (sp, side_bytes) = w.scales.raw();
     let bp = w.bias.as_ref().map_or(std::ptr::null(), |b| b.raw().0);
-    // The sub-scale kernel needs activations with one scale per super-block.
-    let sub = w.sub.as_ref().filter(|_| act.span == SUPER_BLOCKS && qs == QSimd::Avx2);
+    // The super-block kernel needs activations with one scale per super-block.
+    let sums = act.span == SUPER_BLOCKS && qs == QSimd::Avx2 && w.sums_super_blocks();
+    let sub = w.sub.as_ref();
     let args = |r: usize, t: usize| TileArgs {
         w: w.packed()[r * rb..].as_ptr(),
         row_bytes: rb,
@@ -993,10 +1002,10 @@ pub(super) fn rows_tokens(
         QSimd::Avx2 => {
             // SAFETY: QSimd::Avx2 (clamped to the detected level) implies AVX2, FMA and F16C;
             // every tile's rows and tokens are inside `w` and `act`, its scales and biases `ng`
-            // per row of `side_bytes` each (f16 exactly when `half`); with `sub`, the tiles'
-            // sub-scales and units point into `w`'s and the activations share one scale per
-            // super-block; `tmp` holds nt * ld.
-            unsafe { super::qavx2::rows_tokens(w.format, w.mode, half, sub.is_some(), &args, r0, r1, t0, nt, tmp, ld) }
+            // per row of `side_bytes` each (f16 exactly when `half`); with `sums`, the
+            // activations share one scale per super-block and an int4 `w` has sub-scales, which
+            // the tiles' `k` and `unit` point into; `tmp` holds nt * ld.
+            unsafe { super::qavx2::rows_tokens(w.format, w.mode, half, sums, &args, r0, r1, t0, nt, tmp, ld) }
         }
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx512Vnni | QSimd::AmxInt8 => {
