@@ -61,7 +61,7 @@ pub const QCHUNK: usize = 64;
 /// sums pay (int4, 4 tokens: 33-36 against 22-23 GMAC/s; whole-model batched decode +16-34 %
 /// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From
 /// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] still takes the f32
-/// panels: the one-thread kernel bench had the sub-scale kernel ahead there too (128 tokens,
+/// panels: the one-thread kernel bench had the super-block kernel ahead there too (128 tokens,
 /// the three 1.7B shapes: 32.3-34.8 against 27.3-32.4 GMAC/s), but whole-model prefill was not
 /// (pp256, 2 threads, four interleaved runs: 25.9-28.9 against 30.2-31.8 tok/s; the same at
 /// one thread), for reasons not found yet; and the panels keep float activations.
@@ -565,8 +565,9 @@ impl QAct {
     }
 
     /// Quantize `x` for the integer kernels of level `qs` on `w`: one scale per
-    /// [`SUPER_BLOCKS`] blocks where the AVX2 sub-scale kernel takes `w` ([`QMat::sub_scales`]),
-    /// else per block (what [`QAct::quantize`] gives).
+    /// [`SUPER_BLOCKS`] blocks where the AVX2 super-block kernel takes `w` and the `n` tokens
+    /// ([`QMat::sums_super_blocks`], [`SUB_SCALE_MIN_TOKENS`]), else per block (what
+    /// [`QAct::quantize`] gives).
     pub fn quantize_for(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat) -> QAct {
         let sub = qs.min(QSimd::detect()) == QSimd::Avx2 && w.sums_super_blocks() && n >= SUB_SCALE_MIN_TOKENS;
         let span = if sub { SUPER_BLOCKS } else { 1 };
@@ -631,7 +632,7 @@ impl QAct {
 }
 
 /// One token: `q`/`d` from `x`, and the group sums `a` (via the half-block sums). `simd`: full
-/// blocks through [`super::qavx2::quantize_block`] (identical results).
+/// spans through [`super::qavx2::quantize_blocks`] (identical results).
 #[allow(clippy::too_many_arguments)]
 fn quantize_row(
     x: &[f32],
@@ -651,7 +652,7 @@ fn quantize_row(
 }
 
 /// `q`, `d` and `a` of one token, `span` consecutive 32-blocks sharing one scale (1, or
-/// [`SUPER_BLOCKS`] for the AVX2 sub-scale kernel; the last span of a row may be shorter).
+/// [`SUPER_BLOCKS`] for the AVX2 super-block kernel; the last span of a row may be shorter).
 fn quantize_values(x: &[f32], q: &mut [i8], d: &mut [f32], a: &mut [f32], sidx: &[u32], simd: bool, span: usize) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = simd;
@@ -734,7 +735,7 @@ pub(crate) struct TileArgs<'a> {
     pub ga: *const f32,
     pub kp: usize,
     /// The tile's first row's integer sub-scales `k` (`ng` apart) and super-block units (`ng /
-    /// 8` rounded up apart), or null: [`SubScales`], for the AVX2 sub-scale kernel.
+    /// 8` rounded up apart), or null: [`SubScales`], for the AVX2 super-block kernel.
     pub k: *const u8,
     pub unit: *const f32,
     /// How many packed rows after the tile's own (they exist in `w`) to prefetch while it runs
