@@ -135,6 +135,22 @@ fn f64_reference(deq: &[f32], act: &QAct, rows: usize, cols: usize) -> (Vec<f64>
     (want, mag)
 }
 
+/// Every output within 1e-5 of its sum of |terms| of the f64 reference (only the float
+/// summation order differs); `what` names the case in the failure.
+fn assert_matches_reference(out: &[f32], want: &[f64], mag: &[f64], what: impl Fn() -> String) {
+    for i in 0..out.len() {
+        let err = (out[i] as f64 - want[i]).abs();
+        assert!(
+            err <= 1e-5 * mag[i] + 1e-30,
+            "{}: out[{i}] = {} want {} (sum|terms| {})",
+            what(),
+            out[i],
+            want[i],
+            mag[i]
+        );
+    }
+}
+
 #[test]
 fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
     let mut seed = 11u64;
@@ -158,18 +174,10 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
                     for pool in &pools {
                         let mut out = vec![f32::NAN; n * rows];
                         pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
-                        for i in 0..n * rows {
-                            let err = (out[i] as f64 - want[i]).abs();
-                            assert!(
-                                err <= 1e-5 * mag[i] + 1e-30,
-                                "{what} {qs:?} {} threads n={n} cols={cols} rows={rows}: out[{i}] = {} want {} \
-                                 (sum|terms| {})",
-                                pool.current_num_threads(),
-                                out[i],
-                                want[i],
-                                mag[i]
-                            );
-                        }
+                        let threads = pool.current_num_threads();
+                        assert_matches_reference(&out, &want, &mag, || {
+                            format!("{what} {qs:?} {threads} threads n={n} cols={cols} rows={rows}")
+                        });
                     }
                 }
             }
@@ -234,17 +242,9 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
                 for qs in levels() {
                     let mut out = vec![f32::NAN; n * rows];
                     pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
-                    for i in 0..n * rows {
-                        let err = (out[i] as f64 - want[i]).abs();
-                        assert!(
-                            err <= 1e-5 * mag[i] + 1e-30,
-                            "{} {qs:?} half {half} n={n} cols={cols} rows={rows}: out[{i}] = {} want {} (sum|terms| {})",
-                            qt.format,
-                            out[i],
-                            want[i],
-                            mag[i]
-                        );
-                    }
+                    assert_matches_reference(&out, &want, &mag, || {
+                        format!("{} {qs:?} half {half} n={n} cols={cols} rows={rows}", qt.format)
+                    });
                 }
                 // The public entry quantizes the same way at the AVX2 level.
                 if QSimd::detect() >= QSimd::Avx2 {
