@@ -578,17 +578,21 @@ fn bench_kernels() {
                 }
                 let qt = random_q(m, k, format, group, bias, half, &mut seed);
                 let w = QMat::with_sides(&qt, half);
+                // One line per path: time, weight bytes per second, multiply-adds per second.
+                let report = |path: &str, s: f64, bytes: usize| {
+                    eprintln!(
+                        "  {label} {path}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                        s * 1e3,
+                        bytes as f64 / s * 1e-9,
+                        (m * k * n) as f64 / s * 1e-9
+                    )
+                };
                 for qs in levels() {
                     if qs == QSimd::Portable {
                         continue;
                     }
                     let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
-                    eprintln!(
-                        "  {label} {qs:?}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
-                        s * 1e3,
-                        qt.nbytes() as f64 / s * 1e-9,
-                        (m * k * n) as f64 / s * 1e-9
-                    );
+                    report(&format!("{qs:?}"), s, qt.nbytes());
                 }
                 if format == QFormat::I4 && group == 32 && bias && QSimd::detect() >= QSimd::Avx2 {
                     // The same shape as `spark-run quantize` writes it: super-block steps.
@@ -597,21 +601,11 @@ fn bench_kernels() {
                     let wk = QMat::with_sides(&qk, half).with_sub_scales();
                     assert!(wk.sub_scales().is_some());
                     let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, &wk, &mut out, DType::F32));
-                    eprintln!(
-                        "  {label} AVX2 sub-scales: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
-                        s * 1e3,
-                        qk.nbytes() as f64 / s * 1e-9,
-                        (m * k * n) as f64 / s * 1e-9
-                    );
+                    report("AVX2 sub-scales", s, qk.nbytes());
                 }
                 if n >= 16 && Simd::detect() >= Simd::Avx2 {
                     let s = time(&mut || quant_panels(Simd::Avx2, &x, n, k, &w, &mut out, DType::F32));
-                    eprintln!(
-                        "  {label} AVX2 f32 panels: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
-                        s * 1e3,
-                        qt.nbytes() as f64 / s * 1e-9,
-                        (m * k * n) as f64 / s * 1e-9
-                    );
+                    report("AVX2 f32 panels", s, qt.nbytes());
                 }
                 #[cfg(target_arch = "x86_64")]
                 if Simd::detect() == Simd::Amx {
@@ -621,12 +615,7 @@ fn bench_kernels() {
                     let s = time(&mut || unsafe {
                         amx::matmul(&xb, n, k, amx::Weights::Quant(&w), m, &mut out, DType::BF16)
                     });
-                    eprintln!(
-                        "  {label} AMX bf16 dequantized: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
-                        s * 1e3,
-                        qt.nbytes() as f64 / s * 1e-9,
-                        (m * k * n) as f64 / s * 1e-9
-                    );
+                    report("AMX bf16 dequantized", s, qt.nbytes());
                 }
             }
         }
