@@ -261,6 +261,61 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
     assert!(QMat::with_sides(&qt, true).with_sub_scales().sub_scales().is_none());
 }
 
+/// The AVX2 int4 prefill on panels ([`qprefill_avx2`]): int4 in groups of 32 with super-block
+/// steps (what `spark-run quantize` writes), with and without biases, f32 and f16 sides; row
+/// counts that leave a partial panel, partial last super-blocks, token counts that
+/// leave a partial micro-kernel tile: against the f64 reference on the same activations (one
+/// scale per super-block), and `quant_matmul` takes this path at the AVX2 level.
+#[test]
+fn avx2_quantized_prefill_panels_match_f64_reference() {
+    use spark_backend_cpu::kernels::qprefill_avx2;
+    use spark_core::quant::{quantize, QuantSpec};
+    if QSimd::detect() < QSimd::Avx2 {
+        eprintln!("skipped: this CPU has no AVX2 (or SPARK_CPU_SIMD caps it)");
+        return;
+    }
+    let mut seed = 41u64;
+    let pools: Vec<_> =
+        [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+    for &(cols, rows) in &[(64usize, 5usize), (256, 37), (768, 16), (2112, 21)] {
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| unit(&mut seed) * 0.02 * (1.0 + (i / 32 % 5) as f32) * (1.0 + (i / cols) as f32))
+            .collect();
+        let biased = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        let plain = QTensor { bias: None, ..biased.clone() };
+        for (qt, half) in [(&biased, false), (&biased, true), (&plain, true)] {
+            let deq = qt.dequantize();
+            let w = QMat::with_sides(qt, half).with_sub_scales();
+            for &n in &[32usize, 33, 38, 67] {
+                assert!(qprefill_avx2::takes(QSimd::Avx2, &w, n));
+                let x = random_x(n, cols, &mut seed);
+                let act = QAct::quantize_for(QSimd::Avx2, &x, n, cols, &w);
+                assert_eq!(act.span, 8, "one activation scale per super-block");
+                let (want, mag) = f64_reference(&deq, &act, rows, cols);
+                for pool in &pools {
+                    let mut out = vec![f32::NAN; n * rows];
+                    pool.install(|| qprefill_avx2::matmul(&x, n, cols, &w, &mut out, DType::F32));
+                    let threads = pool.current_num_threads();
+                    let bias = qt.bias.is_some();
+                    assert_matches_reference(&out, &want, &mag, || {
+                        format!("{} bias {bias} half {half} {threads} threads n={n} cols={cols} rows={rows}", qt.format)
+                    });
+                    let mut via = vec![f32::NAN; n * rows];
+                    pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &w, &mut via, DType::F32));
+                    assert_eq!(out, via, "quant_matmul at the AVX2 level takes the int4 prefill");
+                }
+            }
+        }
+    }
+    // Free-form int4 steps have no sub-scales, int8 has none: the f32 panels keep them.
+    for qt in [
+        random_q(9, 256, QFormat::I4, 32, true, true, &mut seed),
+        random_q(9, 256, QFormat::I8, 32, false, true, &mut seed),
+    ] {
+        assert!(!qprefill_avx2::takes(QSimd::Avx2, &QMat::with_sides(&qt, true).with_sub_scales(), 64));
+    }
+}
+
 /// Sides that are not f16 values but fit one (GGUF K-quant products `d * sc`): held as f16, the
 /// kernels compute with the rounded values exactly (against an f64 reference on a tensor with
 /// the rounded sides), and stay within f16's precision of the unrounded tensor.
@@ -594,14 +649,23 @@ fn bench_kernels() {
                     let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
                     report(&format!("{qs:?}"), s, qt.nbytes());
                 }
-                if format == QFormat::I4 && group == 32 && bias && QSimd::detect() >= QSimd::Avx2 {
-                    // The same shape as `spark-run quantize` writes it: super-block steps.
+                // int4 as `spark-run quantize` writes it (super-block steps, sub-scales).
+                let sub = (format == QFormat::I4 && group == 32 && bias && QSimd::detect() >= QSimd::Avx2).then(|| {
                     let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
                     let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
                     let wk = QMat::with_sides(&qk, half).with_sub_scales();
                     assert!(wk.sub_scales().is_some());
-                    let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, &wk, &mut out, DType::F32));
-                    report("AVX2 sub-scales", s, qk.nbytes());
+                    (qk.nbytes(), wk)
+                });
+                if let Some((bytes, wk)) = &sub {
+                    let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, wk, &mut out, DType::F32));
+                    report("AVX2 sub-scales", s, *bytes);
+                }
+                let (pbytes, wp) = sub.as_ref().map_or((qt.nbytes(), &w), |(b, wk)| (*b, wk));
+                if spark_backend_cpu::kernels::qprefill_avx2::takes(QSimd::Avx2, wp, n) {
+                    use spark_backend_cpu::kernels::qprefill_avx2;
+                    let s = time(&mut || qprefill_avx2::matmul(&x, n, k, wp, &mut out, DType::F32));
+                    report("AVX2 prefill panels", s, pbytes);
                 }
                 if n >= 16 && Simd::detect() >= Simd::Avx2 {
                     let s = time(&mut || quant_panels(Simd::Avx2, &x, n, k, &w, &mut out, DType::F32));

@@ -76,7 +76,9 @@ const MR_512: usize = super::avx512::MR;
 /// `vpmaddubsw`, `vpmaddwd`, a conversion and an FMA per 32-block, token and row: no fewer
 /// instructions per multiply than f32 FMAs, which the panel kernel issues back to back. Whole
 /// 1.7B-shape prefill with `SPARK_CPU_SIMD=avx2` on a Sapphire Rapids VM, 2 threads: int4 pp512
-/// 14.7 tok/s through the integer kernels, bf16 weights 34.2 through the float panels.
+/// 14.7 tok/s through the integer kernels, bf16 weights 34.2 through the float panels. int4
+/// with integer sub-scales takes integer panels from here instead ([`super::qprefill_avx2`]:
+/// one `vpmaddubsw` and one `vpaddw` per 32 multiply-adds).
 pub const AVX2_QUANT_PANEL_MIN_TOKENS: usize = 32;
 
 /// `out = x W^T` for a quantized `w` through the float prefill: each panel of 16 rows
@@ -280,10 +282,8 @@ fn panel_rows(
                     unsafe { avx2::panel_kernel::<MR>(p6, &panel, k, head) };
                 }
                 for (i, a) in acc.iter().enumerate().take(tb) {
-                    for (j, &v) in a.iter().enumerate().take(rows) {
-                        // SAFETY: t + i < n, p0 + j < r1 <= m; rows [r0, r1) belong to this task.
-                        unsafe { outp.put((t + i) * m + p0 + j, round.round(v)) };
-                    }
+                    // SAFETY: t + i < n, p0 + rows <= r1 <= m; rows [r0, r1) belong to this task.
+                    unsafe { outp.put_rounded((t + i) * m + p0, &a[..rows], round) };
                 }
                 t += tb;
             }

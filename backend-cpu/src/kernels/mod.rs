@@ -29,6 +29,7 @@ pub mod portable;
 pub mod qavx2;
 pub mod qavx512;
 pub mod qmatmul;
+pub mod qprefill_avx2;
 
 pub use gelu::gelu_erf;
 
@@ -266,6 +267,29 @@ impl SharedOut {
     #[inline]
     pub(crate) unsafe fn put(self, idx: usize, v: f32) {
         *self.0.add(idx) = v;
+    }
+    /// Write `src` rounded to `round` at `out[idx..idx + src.len()]` (the rounding chosen once,
+    /// so the loop vectorizes).
+    ///
+    /// # Safety
+    /// The cells must be inside the buffer and written by no other thread.
+    #[inline]
+    pub(crate) unsafe fn put_rounded(self, idx: usize, src: &[f32], round: spark_core::DType) {
+        // SAFETY: the caller's cells are inside the buffer and this thread's alone.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.0.add(idx), src.len()) };
+        match round {
+            spark_core::DType::F32 => dst.copy_from_slice(src),
+            spark_core::DType::BF16 => {
+                for (o, &v) in dst.iter_mut().zip(src) {
+                    *o = spark_core::dtype::round_bf16(v);
+                }
+            }
+            spark_core::DType::F16 => {
+                for (o, &v) in dst.iter_mut().zip(src) {
+                    *o = round.round(v);
+                }
+            }
+        }
     }
     /// The raw pointer (for a task that owns a whole slice of the output).
     #[inline]

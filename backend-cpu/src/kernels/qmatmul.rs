@@ -60,11 +60,10 @@ pub const QCHUNK: usize = 64;
 /// decode keeps per-block activation scales, the finer ones; from two tokens on the integer
 /// sums pay (int4, 4 tokens: 33-36 against 22-23 GMAC/s; whole-model batched decode +16-34 %
 /// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From
-/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] still takes the f32
-/// panels: the one-thread kernel bench had the super-block kernel ahead there too (128 tokens,
-/// the three 1.7B shapes: 32.3-34.8 against 27.3-32.4 GMAC/s), but whole-model prefill was not
-/// (pp256, 2 threads, four interleaved runs: 25.9-28.9 against 30.2-31.8 tok/s; the same at
-/// one thread), for reasons not found yet; and the panels keep float activations.
+/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] takes panels
+/// instead: int4 with sub-scales the integer panels of [`super::qprefill_avx2`], the rest the
+/// f32 panels (this row-major kernel was ahead of the f32 panels in the one-thread kernel bench
+/// but not in whole-model prefill).
 pub const SUB_SCALE_MIN_TOKENS: usize = 2;
 
 /// 32-blocks per int4 super-block ([`spark_core::quant::SUPER_COLS`] columns).
@@ -886,10 +885,16 @@ impl SideEl for H16 {
 /// where they take the shape ([`super::amx_int8::takes`]); else, from
 /// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
 /// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from
-/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens, the f32 prefill on dequantized panels
+/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens, int4 with sub-scales on integer
+/// panels ([`super::qprefill_avx2`]) and the rest as an f32 prefill on dequantized panels
 /// ([`super::matmul::quant_panels`]); else the integer kernels of `simd`'s level ([`qmatmul`]).
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());
+    #[cfg(target_arch = "x86_64")]
+    if super::qprefill_avx2::takes(qs, w, n) {
+        super::qprefill_avx2::matmul(x, n, k, w, out, round);
+        return;
+    }
     if qs == QSimd::Avx2 && n >= super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS && simd >= super::Simd::Avx2 {
         super::matmul::quant_panels(simd, x, n, k, w, out, round);
         return;
@@ -944,13 +949,9 @@ pub fn qmatmul_quantized(qs: QSimd, act: &QAct, w: &QMat, out: &mut [f32], round
             rows_tokens(qs, act, w, r0, r1, t0, nt, &mut tmp);
             let ld = r1 - r0;
             for i in 0..nt {
-                let t = t0 + i;
-                for r in r0..r1 {
-                    let v = tmp[i * ld + r - r0];
-                    // SAFETY: t < n and r < m, so the cell is inside `out`; rows [r0, r1) belong
-                    // to this task only.
-                    unsafe { outp.put(t * m + r, round.round(v)) };
-                }
+                // SAFETY: t0 + i < n and r1 <= m, so the cells are inside `out`; rows [r0, r1)
+                // belong to this task only.
+                unsafe { outp.put_rounded((t0 + i) * m + r0, &tmp[i * ld..(i + 1) * ld], round) };
             }
             t0 += nt;
         }
