@@ -41,13 +41,19 @@ const STEP: usize = 64;
 /// Most tokens per micro-kernel call ([`tile`]).
 const MR: usize = 6;
 
+/// Fewest tokens for [`matmul`] (the panels' packing is paid once per call): at 16 tokens the
+/// row-major super-block kernel ([`super::qavx2`]) was ahead (kernel bench, one thread, 1.7B
+/// shapes: 16.8-24.4 against 12.6-14.7 GMAC/s), at 32 these panels (21.0-36.4 against
+/// 16.5-21.8).
+pub const MIN_TOKENS: usize = 32;
+
 /// Whether [`matmul`] takes `w` for `n` tokens at integer level `qs`: the AVX2 level, from
-/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens, int4 with sub-scales.
+/// [`MIN_TOKENS`] tokens, int4 with sub-scales.
 pub fn takes(qs: super::QSimd, w: &QMat, n: usize) -> bool {
     qs == super::QSimd::Avx2
         && super::QSimd::detect() >= super::QSimd::Avx2
         && w.sub_scales().is_some()
-        && n >= super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS
+        && n >= MIN_TOKENS
 }
 
 /// One panel's operands: rows `p0..p0 + 16` (zeros past the matrix's last row).
