@@ -1,10 +1,10 @@
-//! AVX2 int4 prefill (W4A8) on panels of 16 weight rows, for int4 whose 32-blocks need no float
+//! AVX2 int4 prefill (W4A8) on panels of 8 weight rows, for int4 whose 32-blocks need no float
 //! scaling inside a 256-column super-block: groups of 32 with integer sub-scales
 //! ([`SubScales`], what `spark-run quantize` writes). The activations are int8 with one scale
 //! per super-block (as for the AVX2 batched decode).
 //!
-//! Each panel is unpacked once per call into `[kp / 4][16 rows][4 columns]` nibbles `0..=15`
-//! (64 bytes per 4 columns), beside its rows' sub-scales (`k` as i16 pairs), super-block units
+//! Each panel is unpacked once per call into `[kp / 4][8 rows][4 columns]` nibbles `0..=15`
+//! (one vector per 4 columns), beside its rows' sub-scales (`k` as i16 pairs), super-block units
 //! and bias terms. The micro-kernel runs 8 rows x up to 6 tokens: per 4 columns it broadcasts
 //! each token's 4 activation bytes and issues one `vpmaddubsw` and one `vpaddw`. A lane's
 //! 16-bit sum stays exact over a whole 32-block (16 products of at most 15 x 127: 30480 <
@@ -17,9 +17,11 @@
 //! f32 product: `sum_g (bias[r, g] - 8 scale[r, g]) A[t, g]` with `A` the activations' group
 //! sums (the term [`super::qmatmul::TileArgs::bias_term`] adds).
 //!
-//! Int8 weights keep the f32 panels: neither 16-bit multiplies (`vpmaddwd` on i16 panels) nor
-//! the row-major super-block kernel beat them in whole-model prefill (kernel bench: within
-//! 10-30 %, whole model level, in the noise).
+//! Int8 weights keep the f32 panels. Tried in session 13 (128 tokens, one thread, 1.7B
+//! shapes): i16 panels times i16 activations (`vpmaddwd`, 16 multiply-adds per instruction)
+//! ran 31.0-34.4 GMAC/s against the f32 panels' 30.1-31.2; the row-major super-block kernel
+//! ([`super::qavx2`]) 34.9-40.9, but whole-model int8 pp512 through it was level with the f32
+//! panels (25.5 / 26.6 against 25.7 / 26.3 tok/s), and the panels keep float activations.
 //!
 //! Precision: int8 activations with one scale per 256 columns; exact integer sums; each
 //! super-block's i32 sum (up to 1.2e8) is rounded to f32 once; then f32 accumulation.
@@ -34,10 +36,12 @@ use spark_core::DType;
 use super::qmatmul::{QAct, QMat, QBLOCK, SUPER_BLOCKS};
 use super::SharedOut;
 
-/// Weight rows per panel (two 8-row halves, one vector each).
-const ROWS: usize = 16;
-/// Bytes per micro-kernel step of a panel (4 columns of 16 rows).
-const STEP: usize = 64;
+/// Weight rows per panel (one vector of 4-column groups). A panel of 8 rows (16 KiB at 2048
+/// columns) stays in L1 while every token runs over it; with 16 rows (two vectors per step)
+/// whole-model pp512 was 7 % slower (medians of 4 interleaved runs: 34.95 against 37.6 tok/s).
+const ROWS: usize = 8;
+/// Bytes per micro-kernel step of a panel (4 columns of 8 rows).
+const STEP: usize = 32;
 /// Most tokens per micro-kernel call ([`tile`]).
 const MR: usize = 6;
 
@@ -56,15 +60,15 @@ pub fn takes(qs: super::QSimd, w: &QMat, n: usize) -> bool {
         && n >= MIN_TOKENS
 }
 
-/// One panel's operands: rows `p0..p0 + 16` (zeros past the matrix's last row).
+/// One panel's operands: rows `p0..p0 + 8` (zeros past the matrix's last row).
 struct Panel {
-    /// `[kp / 4][16][4]` nibbles.
+    /// `[kp / 4][8][4]` nibbles.
     w: Vec<u8>,
-    /// `[nb][16]` i32 lanes `k | k << 16` (the sub-scales as a `vpmaddwd` operand).
+    /// `[nb][8]` i32 lanes `k | k << 16` (the sub-scales as a `vpmaddwd` operand).
     k: Vec<i32>,
-    /// `[nsb][16]` super-block units.
+    /// `[nsb][8]` super-block units.
     u: Vec<f32>,
-    /// `[ng][16]` `bias - 8 scale`.
+    /// `[ng][8]` `bias - 8 scale`.
     z: Vec<f32>,
 }
 
@@ -105,13 +109,13 @@ impl Panel {
             let row = &packed[r * rb..(r + 1) * rb];
             let out = self.w.as_mut_ptr().add(4 * j);
             // Per 64-column chunk, byte i holds column i (low nibble) and i + 32 (high): each 4
-            // columns' nibbles to `w[(c / 4) * 64 + 4 j]`.
+            // columns' nibbles to `w[(c / 4) * 32 + 4 j]`.
             for (ci, chunk) in row.chunks_exact(32).enumerate() {
                 let v = _mm256_loadu_si256(chunk.as_ptr() as *const __m256i);
                 _mm256_storeu_si256(q, _mm256_and_si256(v, mask));
                 _mm256_storeu_si256(q.add(1), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
                 for (i, &v) in quads.iter().enumerate() {
-                    // In bounds: step ci * 16 + i < kp / 4 (the row has kp / 2 bytes), row j < 16.
+                    // In bounds: step ci * 16 + i < kp / 4 (the row has kp / 2 bytes), row j < 8.
                     std::ptr::write_unaligned(out.add((ci * 16 + i) * STEP) as *mut u32, v);
                 }
             }
@@ -153,40 +157,36 @@ pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: D
             let mut t = 0;
             while t < n {
                 let tb = MR.min(n - t);
-                for half in 0..rows.div_ceil(8) {
-                    let ops = Ops {
-                        w: panel.w.as_ptr(),
-                        k: panel.k.as_ptr(),
-                        u: panel.u.as_ptr(),
-                        z: panel.z.as_ptr(),
-                        q: act.q[t * kp..].as_ptr(),
-                        d: act.d[t * nb..].as_ptr(),
-                        a: act.a[t * ng..].as_ptr(),
-                        kp,
-                        ng,
-                        half,
-                    };
-                    let mut res = [[0.0f32; 8]; MR];
-                    // SAFETY: takes() checked AVX2 (with FMA and F16C, QSimd's AVX2 level); the
-                    // panel holds kp / 4 x 64 bytes, nb x 16 sub-scales, nsb x 16 units and ng x
-                    // 16 bias terms; `tb` tokens of kp values, nb scales and ng group sums start
-                    // at the token pointers.
-                    unsafe {
-                        match tb {
-                            6 => tile::<6>(&ops, &mut res),
-                            5 => tile::<5>(&ops, &mut res),
-                            4 => tile::<4>(&ops, &mut res),
-                            3 => tile::<3>(&ops, &mut res),
-                            2 => tile::<2>(&ops, &mut res),
-                            _ => tile::<1>(&ops, &mut res),
-                        }
+                let ops = Ops {
+                    w: panel.w.as_ptr(),
+                    k: panel.k.as_ptr(),
+                    u: panel.u.as_ptr(),
+                    z: panel.z.as_ptr(),
+                    q: act.q[t * kp..].as_ptr(),
+                    d: act.d[t * nb..].as_ptr(),
+                    a: act.a[t * ng..].as_ptr(),
+                    kp,
+                    ng,
+                };
+                let mut res = [[0.0f32; ROWS]; MR];
+                // SAFETY: takes() checked AVX2 (with FMA and F16C, QSimd's AVX2 level); the panel
+                // holds kp / 4 x 32 bytes, nb x 8 sub-scales, nsb x 8 units and ng x 8 bias
+                // terms; `tb` tokens of kp values, nb scales and ng group sums start at the
+                // token pointers.
+                unsafe {
+                    match tb {
+                        6 => tile::<6>(&ops, &mut res),
+                        5 => tile::<5>(&ops, &mut res),
+                        4 => tile::<4>(&ops, &mut res),
+                        3 => tile::<3>(&ops, &mut res),
+                        2 => tile::<2>(&ops, &mut res),
+                        _ => tile::<1>(&ops, &mut res),
                     }
-                    let nr = (rows - 8 * half).min(8);
-                    for (i, r) in res.iter().enumerate().take(tb) {
-                        // SAFETY: t + i < n and p0 + 8 half + nr <= r1 <= m; rows [r0, r1)
-                        // belong to this task only.
-                        unsafe { outp.put_rounded((t + i) * m + p0 + 8 * half, &r[..nr], round) };
-                    }
+                }
+                for (i, r) in res.iter().enumerate().take(tb) {
+                    // SAFETY: t + i < n and p0 + rows <= r1 <= m; rows [r0, r1) belong to this
+                    // task only.
+                    unsafe { outp.put_rounded((t + i) * m + p0, &r[..rows], round) };
                 }
                 t += tb;
             }
@@ -206,11 +206,9 @@ struct Ops {
     a: *const f32,
     kp: usize,
     ng: usize,
-    /// Which 8 rows of the panel (0 or 1).
-    half: usize,
 }
 
-/// 8 panel rows (the panel's half `o.half`) x `T` tokens into `res[t][0..8]`.
+/// The panel's 8 rows x `T` tokens into `res[t]`.
 ///
 /// Registers: `T` 16-bit and `T` 32-bit accumulators, the weights, the broadcast activations
 /// and a product: 15 of the 16 at six tokens, so nothing spills in the block loop (16 rows x 4
@@ -220,18 +218,17 @@ struct Ops {
 /// AVX2 and FMA; `o` as [`Ops`] describes it for `T` tokens.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile<const T: usize>(o: &Ops, res: &mut [[f32; 8]; MR]) {
+unsafe fn tile<const T: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR]) {
     let nb = o.kp / QBLOCK;
     let nsb = nb.div_ceil(SUPER_BLOCKS);
     let zero = _mm256_setzero_si256();
-    let h = 8 * o.half;
     let mut facc = [_mm256_setzero_ps(); T];
     for sb in 0..nsb {
         let (b0, b1) = (sb * SUPER_BLOCKS, ((sb + 1) * SUPER_BLOCKS).min(nb));
         let mut iacc = [zero; T];
         for b in b0..b1 {
             let mut acc = [zero; T];
-            let wb = o.w.add(b * QBLOCK / 4 * STEP + 4 * h);
+            let wb = o.w.add(b * QBLOCK / 4 * STEP);
             let qb = o.q.add(b * QBLOCK);
             for s in 0..QBLOCK / 4 {
                 let w = _mm256_loadu_si256(wb.add(s * STEP) as *const __m256i);
@@ -240,12 +237,12 @@ unsafe fn tile<const T: usize>(o: &Ops, res: &mut [[f32; 8]; MR]) {
                     acc[t] = _mm256_add_epi16(acc[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(q)));
                 }
             }
-            let kv = _mm256_loadu_si256(o.k.add(b * ROWS + h) as *const __m256i);
+            let kv = _mm256_loadu_si256(o.k.add(b * ROWS) as *const __m256i);
             for t in 0..T {
                 iacc[t] = _mm256_add_epi32(iacc[t], _mm256_madd_epi16(acc[t], kv));
             }
         }
-        let u = _mm256_loadu_ps(o.u.add(sb * ROWS + h));
+        let u = _mm256_loadu_ps(o.u.add(sb * ROWS));
         for t in 0..T {
             let d = _mm256_set1_ps(*o.d.add(t * nb + b0));
             facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[t]), _mm256_mul_ps(u, d), facc[t]);
@@ -253,7 +250,7 @@ unsafe fn tile<const T: usize>(o: &Ops, res: &mut [[f32; 8]; MR]) {
     }
     // The zero point and the biases: sum_g (bias - 8 scale) A[t, g].
     for g in 0..o.ng {
-        let z = _mm256_loadu_ps(o.z.add(g * ROWS + h));
+        let z = _mm256_loadu_ps(o.z.add(g * ROWS));
         for t in 0..T {
             facc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(*o.a.add(t * o.ng + g)), facc[t]);
         }
