@@ -373,7 +373,8 @@ fn k_quant_sides_held_as_f16_compute_with_the_rounded_values() {
 }
 
 /// The AVX2 prefill of quantized weights on dequantized f32 panels (what CPUs without VNNI run
-/// from [`AVX2_QUANT_PANEL_MIN_TOKENS`] tokens): against an f64 product of the dequantized
+/// from [`AVX2_QUANT_PANEL_MIN_TOKENS`] tokens, but for int4 with sub-scales, which these
+/// random scales do not have: `avx2_quantized_prefill_panels_match_f64_reference`): against an f64 product of the dequantized
 /// weights and the unquantized activations, only f32 summation differs (within 1e-5 of the sum
 /// of |terms|), for every combo, at the AVX2 and (where present) AVX-512 micro-kernels, on rows
 /// that do not fill a panel; and `quant_matmul` at the AVX2 level takes this path from the

@@ -77,8 +77,9 @@ const MR_512: usize = super::avx512::MR;
 /// instructions per multiply than f32 FMAs, which the panel kernel issues back to back. Whole
 /// 1.7B-shape prefill with `SPARK_CPU_SIMD=avx2` on a Sapphire Rapids VM, 2 threads: int4 pp512
 /// 14.7 tok/s through the integer kernels, bf16 weights 34.2 through the float panels. int4
-/// with integer sub-scales takes integer panels from here instead ([`super::qprefill_avx2`]:
-/// one `vpmaddubsw` and one `vpaddw` per 32 multiply-adds).
+/// with integer sub-scales takes integer panels instead, from
+/// [`super::qprefill_avx2::MIN_TOKENS`] tokens (one `vpmaddubsw` and one `vpaddw` per 32
+/// multiply-adds).
 pub const AVX2_QUANT_PANEL_MIN_TOKENS: usize = 32;
 
 /// `out = x W^T` for a quantized `w` through the float prefill: each panel of 16 rows

@@ -59,11 +59,11 @@ pub const QCHUNK: usize = 64;
 /// either way (kernel bench, 1.7B shapes, one core: 11.7-20.6 GMAC/s both, run to run), so
 /// decode keeps per-block activation scales, the finer ones; from two tokens on the integer
 /// sums pay (int4, 4 tokens: 33-36 against 22-23 GMAC/s; whole-model batched decode +16-34 %
-/// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From
-/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens [`quant_matmul`] takes panels
-/// instead: int4 with sub-scales the integer panels of [`super::qprefill_avx2`], the rest the
-/// f32 panels (this row-major kernel was ahead of the f32 panels in the one-thread kernel bench
-/// but not in whole-model prefill).
+/// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From 32 tokens
+/// [`quant_matmul`] takes panels instead: int4 with sub-scales the integer panels of
+/// [`super::qprefill_avx2`] ([`super::qprefill_avx2::MIN_TOKENS`]), the rest the f32 panels
+/// ([`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`]; this row-major kernel was ahead of them in
+/// the one-thread kernel bench but not in whole-model prefill).
 pub const SUB_SCALE_MIN_TOKENS: usize = 2;
 
 /// 32-blocks per int4 super-block ([`spark_core::quant::SUPER_COLS`] columns).
@@ -885,9 +885,10 @@ impl SideEl for H16 {
 /// where they take the shape ([`super::amx_int8::takes`]); else, from
 /// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
 /// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from
-/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`] tokens, int4 with sub-scales on integer
-/// panels ([`super::qprefill_avx2`]) and the rest as an f32 prefill on dequantized panels
-/// ([`super::matmul::quant_panels`]); else the integer kernels of `simd`'s level ([`qmatmul`]).
+/// 32 tokens, int4 with sub-scales on integer panels ([`super::qprefill_avx2::takes`]) and the
+/// rest as an f32 prefill on dequantized panels ([`super::matmul::quant_panels`], from
+/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`]); else the integer kernels of `simd`'s level
+/// ([`qmatmul`]).
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());
     #[cfg(target_arch = "x86_64")]
