@@ -169,7 +169,7 @@ pub fn attend(
     out: &mut CpuTensor,
     round: DType,
 ) {
-    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET)
+    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET, true)
 }
 
 /// Bytes of scores one attention task holds at most (16 MiB: a decode block of 8 heads keeps
@@ -177,7 +177,9 @@ pub fn attend(
 const SCORE_BUDGET: usize = 16 << 20;
 
 /// [`attend`] with the task's score memory capped at `score_budget` bytes (tests force the
-/// segmented passes with a small one).
+/// segmented passes with a small one); `tiles`: the tile loops where the head dim allows
+/// ([`crate::kernels::attn_avx2`], [`crate::kernels::attn_avx512`]), else the one-row loops
+/// (tests compare the two).
 #[allow(clippy::too_many_arguments)]
 fn attend_with_budget(
     simd: Simd,
@@ -188,6 +190,7 @@ fn attend_with_budget(
     out: &mut CpuTensor,
     round: DType,
     score_budget: usize,
+    tiles: bool,
 ) {
     let d = shape.head_dim;
     let qd = shape.n_heads * d;
@@ -210,7 +213,7 @@ fn attend_with_budget(
         let i1 = (i0 + qb).min(chunk.len);
         let h0 = hi * hb;
         let rows = Block { i0, i1, h0, h1: h0 + hb, kvh: h0 / group };
-        attend_block(simd, qkv, chunk, shape, kv, rows, round, scratch, outp, ocols, score_budget);
+        attend_block(simd, qkv, chunk, shape, kv, rows, round, scratch, outp, ocols, score_budget, tiles);
     });
 }
 
@@ -249,7 +252,7 @@ struct Scratch {
     scores: Vec<f32>,
     /// `[row][head_dim]` accumulators.
     acc: Vec<f32>,
-    /// `[KV_TILE][head_dim]` keys or values as f32 (the AVX-512 loops).
+    /// `[KV_TILE][head_dim]` keys or values as f32 (the tile loops).
     tile: Vec<f32>,
     /// `[KV_TILE]` one row's scores in a tile.
     dots: Vec<f32>,
@@ -274,7 +277,7 @@ fn for_tiles<'a>(
     }
 }
 
-/// Key / value rows per tile of the AVX-512 loops (32 KiB of f32 at head_dim 128).
+/// Key / value rows per tile of the tile loops (32 KiB of f32 at head_dim 128).
 const KV_TILE: usize = 64;
 
 #[allow(clippy::too_many_arguments)]
@@ -291,6 +294,7 @@ fn attend_block(
     outp: SharedOut,
     ocols: usize,
     score_budget: usize,
+    tiles: bool,
 ) {
     let d = shape.head_dim;
     let qd = shape.n_heads * d;
@@ -321,8 +325,9 @@ fn attend_block(
     };
     let query = |i: usize, h: usize| &qkv.data[(chunk.row + i) * qkv.cols + h * d..][..d];
     let Scratch { scores, acc, tile, dots } = scratch;
-    // AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
-    let wide = cfg!(target_arch = "x86_64") && simd >= Simd::Avx512 && d.is_multiple_of(32);
+    // AVX2 or AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
+    let wide = tiles && cfg!(target_arch = "x86_64") && simd >= Simd::Avx2 && d.is_multiple_of(32);
+    let avx512 = simd >= Simd::Avx512;
     if wide {
         tile.resize(KV_TILE * d, 0.0);
         dots.resize(KV_TILE, 0.0);
@@ -360,17 +365,16 @@ fn attend_block(
                     b.each_row(|i, h, r| {
                         if let Some((a, z)) = range(i, t0, t1) {
                             let q = query(i, h);
-                            // SAFETY: Simd::Avx512 implies AVX-512F, AVX2 and FMA; d % 32 == 0;
-                            // the tile holds rows a - t0 ..= z - t0 of d values; dots holds
-                            // KV_TILE >= z - a + 1.
+                            let (kp, nk, op) = (tile[(a - t0) * d..].as_ptr(), z - a + 1, dots.as_mut_ptr());
+                            // SAFETY: Simd::Avx512 implies AVX-512F, AVX2 and FMA, Simd::Avx2
+                            // AVX2 and FMA; d % 32 == 0; the tile holds rows a - t0 ..= z - t0 of
+                            // d values; dots holds KV_TILE >= z - a + 1.
                             unsafe {
-                                crate::kernels::attn_avx512::dots(
-                                    q.as_ptr(),
-                                    tile[(a - t0) * d..].as_ptr(),
-                                    z - a + 1,
-                                    d,
-                                    dots.as_mut_ptr(),
-                                )
+                                if avx512 {
+                                    crate::kernels::attn_avx512::dots(q.as_ptr(), kp, nk, d, op)
+                                } else {
+                                    crate::kernels::attn_avx2::dots(q.as_ptr(), kp, nk, d, op)
+                                }
                             };
                             for (j, &v) in dots[..z - a + 1].iter().enumerate() {
                                 sc[r * len + a - s0 + j] = round.round(round.round(v) * shape.scale);
@@ -430,17 +434,18 @@ fn attend_block(
                 for_tiles(s0, s1, d, tile, value, |t0, t1, tile| {
                     b.each_row(|i, _, r| {
                         if let Some((a, z)) = range(i, t0, t1) {
-                            // SAFETY: Simd::Avx512 implies AVX-512F; d % 16 == 0; sc holds row
-                            // r's probabilities for positions a..=z, the tile rows a - t0 ..=
-                            // z - t0, acc row r d values.
+                            let (pp, vp, nv) =
+                                (sc[r * len + a - s0..].as_ptr(), tile[(a - t0) * d..].as_ptr(), z - a + 1);
+                            let ap = acc[r * d..(r + 1) * d].as_mut_ptr();
+                            // SAFETY: Simd::Avx512 implies AVX-512F, Simd::Avx2 AVX2 and FMA;
+                            // d % 32 == 0; sc holds row r's probabilities for positions a..=z,
+                            // the tile rows a - t0 ..= z - t0, acc row r d values.
                             unsafe {
-                                crate::kernels::attn_avx512::weighted_sum(
-                                    sc[r * len + a - s0..].as_ptr(),
-                                    tile[(a - t0) * d..].as_ptr(),
-                                    z - a + 1,
-                                    d,
-                                    acc[r * d..(r + 1) * d].as_mut_ptr(),
-                                )
+                                if avx512 {
+                                    crate::kernels::attn_avx512::weighted_sum(pp, vp, nv, d, ap)
+                                } else {
+                                    crate::kernels::attn_avx2::weighted_sum(pp, vp, nv, d, ap)
+                                }
                             };
                         }
                     });
@@ -522,10 +527,11 @@ mod tests {
         qkv: &CpuTensor,
         chunk: AttnChunk,
         budget: usize,
+        tiles: bool,
     ) -> Vec<f32> {
         let cols = shape.n_heads * shape.head_dim;
         let mut out = CpuTensor { rows: chunk.len, cols, data: vec![0.0; chunk.len * cols] };
-        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget));
+        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget, tiles));
         assert!(out.data.iter().all(|v| v.is_finite()) && out.data.iter().any(|&v| v != 0.0));
         out.data
     }
@@ -534,13 +540,17 @@ mod tests {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
     }
 
-    /// The AVX-512 tile loops give the AVX2 one-row loops' bits exactly: f32 and bf16 caches,
-    /// sliding and full layers, chunks that start inside the cache and span several tiles.
+    /// The AVX2 and AVX-512 tile loops give the AVX2 one-row loops' bits exactly: f32 and bf16
+    /// caches, sliding and full layers, chunks that start inside the cache and span several
+    /// tiles.
     #[test]
-    fn avx512_tiles_match_the_avx2_rows_bit_for_bit() {
-        if Simd::detect() < Simd::Avx512 {
-            eprintln!("skipped: this CPU has no AVX-512");
+    fn tiles_match_the_one_row_loops_bit_for_bit() {
+        if Simd::detect() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
             return;
+        }
+        if Simd::detect() < Simd::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512 (the AVX-512 tiles)");
         }
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let cases = [
@@ -551,9 +561,11 @@ mod tests {
         ];
         // Three chunks: a long prefill, a second chunk over the cache, one decode token.
         each_chunk(7, &cases, &[150, 70, 1], 1.0, |shape, dtype, kv, qkv, chunk| {
-            let rows = run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET);
-            let tiles = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET);
-            assert!(same_bits(&rows, &tiles), "{shape:?} {dtype:?} chunk {chunk:?}: the paths differ");
+            let rows = run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, false);
+            for simd in [Simd::Avx2, Simd::Avx512].into_iter().filter(|&s| Simd::detect() >= s) {
+                let tiles = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
+                assert!(same_bits(&rows, &tiles), "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}: the paths differ");
+            }
         });
     }
 
@@ -570,11 +582,11 @@ mod tests {
             [(64, None, DType::F32), (64, Some(150), DType::BF16), (256, None, DType::BF16), (96, None, DType::F32)];
         each_chunk(11, &cases, &[300, 90, 1, 1], 3.0, |shape, dtype, kv, qkv, chunk| {
             for &simd in &simds {
-                let whole = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET);
+                let whole = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
                 // Budget 1: segments of one KV tile (64 positions); the other: one or a few
                 // tiles, depending on the block's rows.
                 for budget in [1, 4 * 16 * 2 * KV_TILE] {
-                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget);
+                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, true);
                     assert!(
                         same_bits(&whole, &seg),
                         "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}, budget {budget}: differs"

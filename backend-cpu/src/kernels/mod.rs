@@ -19,6 +19,7 @@
 
 pub mod amx;
 pub mod amx_int8;
+pub mod attn_avx2;
 pub mod attn_avx512;
 pub mod avx2;
 pub mod avx512;
