@@ -283,9 +283,20 @@ fn avx2_quantized_prefill_panels_match_f64_reference() {
             .collect();
         let biased = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
         let plain = QTensor { bias: None, ..biased.clone() };
-        for (qt, half) in [(&biased, false), (&biased, true), (&plain, true)] {
+        // GGUF Q4_K's form: per super-block an f16 `d` times 6-bit sub-scales (some zero).
+        let ng = cols / 32;
+        let q4k_scales: Vec<f32> = (0..rows * ng)
+            .map(|g| {
+                let sb = (g / ng * ng.div_ceil(8) + g % ng / 8) as u64;
+                let d = half::f16::from_f32(0.001 + 0.01 * unit(&mut (99 + sb)).abs()).to_f32();
+                d * (lcg(&mut seed) % 64) as f32
+            })
+            .collect();
+        let q4k = QTensor { scales: Arc::new(q4k_scales), ..biased.clone() };
+        for (qt, half) in [(&biased, false), (&biased, true), (&plain, true), (&q4k, false)] {
             let deq = qt.dequantize();
             let w = QMat::with_sides(qt, half).with_sub_scales();
+            assert!(w.sub_scales().is_some(), "sub-scales found (half {half}, bias {})", qt.bias.is_some());
             for &n in &[32usize, 33, 38, 67] {
                 assert!(qprefill_avx2::takes(QSimd::Avx2, &w, n));
                 let x = random_x(n, cols, &mut seed);
@@ -314,6 +325,36 @@ fn avx2_quantized_prefill_panels_match_f64_reference() {
     ] {
         assert!(!qprefill_avx2::takes(QSimd::Avx2, &QMat::with_sides(&qt, true).with_sub_scales(), 64));
     }
+}
+
+/// `common_unit` finds a unit for `spark-run quantize`'s super-blocks (powers of two) and for
+/// GGUF Q4_K's (`d` times 6-bit sub-scales), down to subnormal units, with `k * u` the value
+/// exactly; and refuses negative, non-finite and free-form values.
+#[test]
+fn common_unit_finds_the_units_of_integer_sub_scales() {
+    use spark_backend_cpu::kernels::qmatmul::common_unit;
+    let mut seed = 5u64;
+    let mut ks = [0u8; 8];
+    for case in 0..2000 {
+        let u = match case % 4 {
+            0 => 2f32.powi(-((lcg(&mut seed) % 30) as i32)),
+            1 => half::f16::from_f32(unit(&mut seed).abs() * 0.05 + 1e-6).to_f32(),
+            2 => f32::from_bits(1 + lcg(&mut seed) % 1000),
+            // Up to 16 significant bits: the products with k <= 255 stay exact in f32.
+            _ => (1 + lcg(&mut seed) % 65535) as f32 * 2f32.powi(-30),
+        };
+        let vals: Vec<f32> = (0..8).map(|_| u * (lcg(&mut seed) % 256) as f32).collect();
+        let got = common_unit(&vals, &mut ks).expect("integer multiples of one unit");
+        for (&v, &k) in vals.iter().zip(&ks) {
+            assert_eq!(k as f32 * got, v, "case {case}: u {u} found {got}");
+        }
+    }
+    assert_eq!(common_unit(&[0.0; 8], &mut ks), Some(1.0));
+    assert_eq!(ks, [0; 8]);
+    assert_eq!(common_unit(&[1.0, -2.0], &mut ks[..2]), None);
+    assert_eq!(common_unit(&[1.0, f32::NAN], &mut ks[..2]), None);
+    assert_eq!(common_unit(&[1.0, 256.0], &mut ks[..2]), None);
+    assert_eq!(common_unit(&[0.1, 0.3], &mut ks[..2]), None, "0.1 and 0.3 in f32 share no unit with k <= 255");
 }
 
 /// Sides that are not f16 values but fit one (GGUF K-quant products `d * sc`): held as f16, the

@@ -100,6 +100,92 @@ pub enum ScaleMode {
     Quad,
 }
 
+/// A unit `u` of which every value of `vals` is an integer multiple `k <= 255` (written to
+/// `ks`), or `None` (a negative or non-finite value, or no such unit). First the power of two
+/// that `spark-run quantize` uses ([`spark_core::quant::super_unit`] of the largest: `k` by an
+/// exact multiply, cheap at load); else the largest unit, exactly: each value is an odd integer
+/// times a power of two; aligned to the smallest power, their integer gcd `G` gives `u = G 2^e`
+/// (odd and below 2^24, so an f32; GGUF Q4_K's `d` times 6-bit sub-scales), and `k * u` is the
+/// value itself. All zeros: `u = 1`.
+pub fn common_unit(vals: &[f32], ks: &mut [u8]) -> Option<f32> {
+    let mut dmax = 0.0f32;
+    for &v in vals {
+        if !(v >= 0.0 && v.is_finite()) {
+            return None;
+        }
+        dmax = dmax.max(v);
+    }
+    if dmax == 0.0 {
+        ks.fill(0);
+        return Some(1.0);
+    }
+    let u = spark_core::quant::super_unit(dmax);
+    // A power of two of at least 2^-24: its inverse is exact, and so is each product.
+    let inv = 1.0 / u;
+    if vals.iter().all(|&v| (v * inv).fract() == 0.0) {
+        for (k, &v) in ks.iter_mut().zip(vals) {
+            *k = (v * inv) as u8;
+        }
+        return Some(u);
+    }
+    // (odd mantissa, exponent) of each nonzero value.
+    let mut parts = [(0u64, 0i32); SUPER_BLOCKS];
+    let parts = &mut parts[..vals.len()];
+    let mut emin = i32::MAX;
+    for (p, &v) in parts.iter_mut().zip(vals) {
+        if v == 0.0 {
+            continue;
+        }
+        let bits = v.to_bits();
+        let (field, frac) = ((bits >> 23) & 0xFF, (bits & 0x7F_FFFF) as u64);
+        let (m, e) = if field == 0 { (frac, -149) } else { (frac | 0x80_0000, field as i32 - 150) };
+        let tz = m.trailing_zeros();
+        *p = (m >> tz, e + tz as i32);
+        emin = emin.min(p.1);
+    }
+    let mut g = 0u64;
+    for p in parts.iter_mut().filter(|p| p.0 != 0) {
+        // The unit's odd part divides this odd mantissa, so k is a multiple of 2^shift: more
+        // than 7 means k > 255.
+        let shift = p.1 - emin;
+        if shift > 7 {
+            return None;
+        }
+        p.0 <<= shift;
+        g = gcd(g, p.0);
+    }
+    for (k, p) in ks.iter_mut().zip(parts.iter()) {
+        // `g` divides `p.0` (< 2^31): the f64 quotient is that integer exactly.
+        let q = p.0 as f64 / g as f64;
+        if q > 255.0 {
+            return None;
+        }
+        *k = q as u8;
+    }
+    // In f64 (2^-149 is a normal f64; f32 powi would underflow), then exactly to f32.
+    Some((g as f64 * 2f64.powi(emin)) as f32)
+}
+
+/// Greatest common divisor (`gcd(0, b) = b`), binary (no divisions: this runs per
+/// super-block at load).
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    if a == 0 || b == 0 {
+        return a | b;
+    }
+    let shift = (a | b).trailing_zeros();
+    a >>= a.trailing_zeros();
+    loop {
+        b >>= b.trailing_zeros();
+        if a > b {
+            std::mem::swap(&mut a, &mut b);
+        }
+        b -= a;
+        if b == 0 {
+            return a << shift;
+        }
+    }
+}
+
 /// One int4 row from the tensor's order (element `2j` in the low nibble of byte `j`, `2j + 1`
 /// in the high) into [`QMat`]'s (per 64-column chunk, element `j` low and `j + 32` high in byte
 /// `j`); columns past `cols` are nibble 8 (q = 0). `dst` is the padded row.
@@ -317,8 +403,10 @@ impl QMat {
     }
 
     /// The same matrix with integer sub-scales ([`SubScales`]) when its scales have that form
-    /// (int4 in groups of 32 without column padding, every row's super-blocks `k * u`), else
-    /// unchanged. The AVX2 level builds them ([`QMat::from_qtensor`]); one byte per 32 weights
+    /// (int4 in groups of 32 without column padding, each row's super-blocks integer multiples
+    /// `k <= 255` of one unit: [`common_unit`]), else unchanged. That covers `spark-run
+    /// quantize`'s int4 (a power of two per super-block) and GGUF Q4_K (`d` times 6-bit
+    /// sub-scales). The AVX2 level builds them ([`QMat::from_qtensor`]); one byte per 32 weights
     /// and one f32 per 256 more.
     pub fn with_sub_scales(mut self) -> QMat {
         if self.format != QFormat::I4 || self.mode != ScaleMode::Pair {
@@ -331,15 +419,10 @@ impl QMat {
         let ok = k.par_chunks_mut(ng).zip(unit.par_chunks_mut(nsb)).enumerate().all(|(r, (kr, ur))| {
             let mut row = vec![0.0f32; ng];
             scales.get_into(r * ng, &mut row);
-            row.chunks(SUPER_BLOCKS).zip(kr.chunks_mut(SUPER_BLOCKS)).zip(ur.iter_mut()).all(|((sb, ks), u)| {
-                let dmax = sb.iter().fold(0.0f32, |a, &v| a.max(v));
-                *u = if dmax > 0.0 { spark_core::quant::super_unit(dmax) } else { 1.0 };
-                sb.iter().zip(ks.iter_mut()).all(|(&v, kv)| {
-                    let m = v / *u;
-                    *kv = m as u8;
-                    (0.0..=255.0).contains(&m) && m.fract() == 0.0
-                })
-            })
+            row.chunks(SUPER_BLOCKS)
+                .zip(kr.chunks_mut(SUPER_BLOCKS))
+                .zip(ur.iter_mut())
+                .all(|((sb, ks), u)| common_unit(sb, ks).map(|v| *u = v).is_some())
         });
         if ok {
             self.sub = Some(SubScales { k, unit });
