@@ -355,6 +355,8 @@ fn common_unit_finds_the_units_of_integer_sub_scales() {
     assert_eq!(common_unit(&[1.0, f32::NAN], &mut ks[..2]), None);
     assert_eq!(common_unit(&[1.0, 256.0], &mut ks[..2]), None);
     assert_eq!(common_unit(&[0.1, 0.3], &mut ks[..2]), None, "0.1 and 0.3 in f32 share no unit with k <= 255");
+    assert_eq!(common_unit(&[1.0; 9], &mut [0u8; 9]), None, "one super-block at a time");
+    assert_eq!(common_unit(&[1.0; 4], &mut ks[..2]), None, "room for every k");
 }
 
 /// Sides that are not f16 values but fit one (GGUF K-quant products `d * sc`): held as f16, the

@@ -106,8 +106,12 @@ pub enum ScaleMode {
 /// exact multiply, cheap at load); else the largest unit, exactly: each value is an odd integer
 /// times a power of two; aligned to the smallest power, their integer gcd `G` gives `u = G 2^e`
 /// (odd and below 2^24, so an f32; GGUF Q4_K's `d` times 6-bit sub-scales), and `k * u` is the
-/// value itself. All zeros: `u = 1`.
+/// value itself. All zeros: `u = 1`. One super-block at a time: more than [`SUPER_BLOCKS`]
+/// values, or fewer `ks` than values, give `None`.
 pub fn common_unit(vals: &[f32], ks: &mut [u8]) -> Option<f32> {
+    if vals.len() > SUPER_BLOCKS || ks.len() < vals.len() {
+        return None;
+    }
     let mut dmax = 0.0f32;
     for &v in vals {
         if !(v >= 0.0 && v.is_finite()) {
