@@ -246,6 +246,16 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
                         format!("{} {qs:?} half {half} n={n} cols={cols} rows={rows}", qt.format)
                     });
                 }
+                // One token: the per-block kernel takes its scales from the sub-scales (`k * u`,
+                // the same f32 values), so the outputs are those of the scales, bit for bit.
+                if n == 1 && QSimd::detect() >= QSimd::Avx2 && qt.format == QFormat::I4 {
+                    let plain = QMat::with_sides(qt, half);
+                    assert!(plain.sub_scales().is_none());
+                    let (mut a, mut b) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+                    pool.install(|| qmatmul_quantized(QSimd::Avx2, &act, &w, &mut a, DType::F32));
+                    pool.install(|| qmatmul_quantized(QSimd::Avx2, &act, &plain, &mut b, DType::F32));
+                    assert_eq!(a, b, "sub-scales vs scales, half {half} cols={cols} rows={rows}");
+                }
                 // The public entry quantizes the same way at the AVX2 level.
                 if QSimd::detect() >= QSimd::Avx2 {
                     let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
@@ -259,6 +269,48 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
     // Free-form scales (random, some negative) have no such form.
     let qt = random_q(9, 256, QFormat::I4, 32, true, true, &mut seed);
     assert!(QMat::with_sides(&qt, true).with_sub_scales().sub_scales().is_none());
+}
+
+/// The AVX2 level's holding of int4 ([`QMat::for_level`]): `spark-run quantize`'s int4 gets
+/// sub-scales and f16 scales and biases (the kernels read `k`, units and biases only), with
+/// outputs bit for bit those of f32 sides on every path (1 token, the super-block kernel, the
+/// integer panels); free-form scales keep f32 sides and no sub-scales.
+#[test]
+fn avx2_level_holds_sub_scaled_int4_with_f16_sides() {
+    use spark_core::quant::{quantize, QuantSpec};
+    let mut seed = 77u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let (rows, cols) = (37usize, 2112usize);
+    let vals: Vec<f32> = (0..rows * cols).map(|i| unit(&mut seed) * 0.03 * (1.0 + (i / 64 % 3) as f32)).collect();
+    let qt = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+    assert!(QMat::has_sub_scale_form(&qt));
+    let held = QMat::for_level(&qt, QSimd::Avx2);
+    assert!(held.sub_scales().is_some() && held.half_sides(), "sub-scales and f16 sides");
+    // Scales k * u, f32 biases: the reference holding.
+    let f32_sides = QMat::with_sides(&qt, false).with_sub_scales();
+    assert!(f32_sides.sub_scales().is_some() && !f32_sides.half_sides());
+    // Values, k, a unit per (partial) super-block, f16 biases; 6 bits per weight with f32 sides.
+    let ng = cols / 32;
+    assert_eq!(held.decode_bytes(), rows * (cols / 2 + ng + 4 * ng.div_ceil(8) + 2 * ng));
+    assert_eq!(QMat::with_sides(&qt, false).decode_bytes(), rows * cols * 6 / 8);
+    if QSimd::detect() >= QSimd::Avx2 {
+        for n in [1usize, 2, 5, 33] {
+            let x = random_x(n, cols, &mut seed);
+            let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+            pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &held, &mut a, DType::F32));
+            pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &f32_sides, &mut b, DType::F32));
+            assert_eq!(a, b, "f16 vs f32 sides, n={n}");
+            assert!(a.iter().all(|v| v.is_finite()));
+        }
+    }
+    // Free-form scales (random, some negative): no sub-scales, f32 sides at the AVX2 level.
+    let free = random_q(9, 256, QFormat::I4, 32, true, true, &mut seed);
+    assert!(!QMat::has_sub_scale_form(&free));
+    let m = QMat::for_level(&free, QSimd::Avx2);
+    assert!(m.sub_scales().is_none() && !m.half_sides());
+    // int8 never gets sub-scales.
+    let int8 = random_q(5, 128, QFormat::I8, 32, false, true, &mut seed);
+    assert!(!QMat::has_sub_scale_form(&int8) && QMat::for_level(&int8, QSimd::Avx2).sub_scales().is_none());
 }
 
 /// The AVX2 int4 prefill on panels ([`qprefill_avx2`]): int4 in groups of 32 with super-block

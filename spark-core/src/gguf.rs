@@ -315,6 +315,11 @@ impl GgmlType {
         };
         Some(QPlan { format, group, bias })
     }
+    /// Whether the group scales of this type are integer multiples of one unit per 256-column
+    /// super-block: Q4_K's `d` times 6-bit sub-scales (a backend may hold them as the integers).
+    pub fn integer_sub_scales(self) -> bool {
+        self.0 == 12
+    }
     /// Whether this engine can load a matrix of this type.
     pub fn supported(self) -> bool {
         self.float().is_some() || matches!(self.0, 2 | 3 | 6 | 7 | 8 | 9 | 10 | 11 | 12 | 13 | 14 | 15)

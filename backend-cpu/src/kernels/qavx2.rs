@@ -73,6 +73,9 @@ trait Scale {
     /// One scale per 32-block, block `b`'s at index `b` of the row ([`ScaleMode::Pair`]): [`tile`]
     /// multiplies them by the activation scales up front ([`PROD_CAP`]).
     const PAIR: bool = false;
+    /// [`Scale::PAIR`] whose scales are `k * u` from the sub-scales ([`TileArgs::k`],
+    /// [`TileArgs::unit`]): the same f32 values, from a byte per block instead of the scales.
+    const SUB: bool = false;
     unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, b: usize) -> __m256;
 }
 
@@ -84,6 +87,8 @@ struct Uni;
 struct Half;
 /// One scale per 32-block, in block order ([`ScaleMode::Pair`]).
 struct Pair;
+/// [`Pair`] from the integer sub-scales.
+struct SubPair;
 
 impl Scale for PerRow {
     const ROW: bool = true;
@@ -106,6 +111,24 @@ impl Scale for Pair {
     unsafe fn sv<E: SideEl>(s: *const E, _sidx: *const u32, b: usize) -> __m256 {
         _mm256_set1_ps(E::get(s, b))
     }
+}
+
+impl Scale for SubPair {
+    const PAIR: bool = true;
+    const SUB: bool = true;
+    #[inline(always)]
+    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _b: usize) -> __m256 {
+        unreachable!("SubPair scales come from TileArgs::k (sub_sv)")
+    }
+}
+
+/// Scale `k * u` of block `b` of row `r` of the tile (groups of 32, [`SubPair`]).
+///
+/// # Safety
+/// `a` has sub-scales for its rows; `b` is a block of the row.
+#[inline(always)]
+unsafe fn sub_scale(a: &TileArgs<'_>, r: usize, b: usize) -> f32 {
+    *a.k.add(r * a.ng + b) as f32 * *a.unit.add(r * a.ng.div_ceil(SUPER_BLOCKS) + b / SUPER_BLOCKS)
 }
 
 impl Scale for Half {
@@ -154,15 +177,27 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     if table {
         // `ng == nb` (groups of 32, no padding): products of rows (r, t) at `(r T + t) nb`.
         let n8 = nb / 8 * 8;
+        let nsb = nb.div_ceil(SUPER_BLOCKS);
         for r in 0..R {
             let s = a.s.cast::<E>().add(r * a.ng);
+            let (k, u) = (a.k.wrapping_add(r * a.ng), a.unit.wrapping_add(r * nsb));
+            // Eight scales from `i` (a super-block's with sub-scales: `SUPER_BLOCKS == 8`).
+            let s8 = |i: usize| {
+                if S::SUB {
+                    let kv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(k.add(i) as *const __m128i));
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(kv), _mm256_set1_ps(*u.add(i / SUPER_BLOCKS)))
+                } else {
+                    E::load8(s.add(i))
+                }
+            };
             for t in 0..T {
                 let (d, o) = (a.d.add(t * nb), pp.add((r * T + t) * nb));
                 for i in (0..n8).step_by(8) {
-                    _mm256_storeu_ps(o.add(i), _mm256_mul_ps(E::load8(s.add(i)), _mm256_loadu_ps(d.add(i))));
+                    _mm256_storeu_ps(o.add(i), _mm256_mul_ps(s8(i), _mm256_loadu_ps(d.add(i))));
                 }
                 for i in n8..nb {
-                    *o.add(i) = E::get(s, i) * *d.add(i);
+                    let si = if S::SUB { sub_scale(a, r, i) } else { E::get(s, i) };
+                    *o.add(i) = si * *d.add(i);
                 }
             }
         }
@@ -171,7 +206,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     // block loop broadcasts f32 values (a scalar f16 conversion per block and row made the
     // decode GEMV ~20 % slower than with f32 scales).
     let mut conv = [std::mem::MaybeUninit::<f32>::uninit(); 4 * CONV_GROUPS];
-    let convert = E::HALF && !S::ROW && !table && R <= 4 && a.ng <= CONV_GROUPS;
+    let convert = E::HALF && !S::ROW && !S::SUB && !table && R <= 4 && a.ng <= CONV_GROUPS;
     let cp = conv.as_mut_ptr() as *mut f32;
     if convert {
         let n8 = a.ng / 8 * 8;
@@ -200,7 +235,9 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             for r in 0..R {
                 (wu[r], ws[r]) = F::block(a.w.add(r * a.row_bytes), c, h);
                 if !S::ROW && !table {
-                    sv[r] = if convert {
+                    sv[r] = if S::SUB {
+                        _mm256_set1_ps(sub_scale(a, r, b))
+                    } else if convert {
                         S::sv::<f32>(cp.add(r * a.ng), sidx, b)
                     } else {
                         S::sv(a.s.cast::<E>().add(r * a.ng), sidx, b)
@@ -347,18 +384,22 @@ impl<F: Fmt, E: SideEl, const K: bool> Kernel for Sub<F, E, K> {
 /// or 2 x up to 4 tokens (3 when per-block scales need registers).
 ///
 /// Scales and biases are f16 when `half`, else f32. With `sums`, [`sub_tile`] (int4 with
-/// sub-scales or int8 per row, activations with one scale per super-block).
+/// sub-scales or int8 per row, activations with one scale per super-block). With `sub` (int4
+/// [`ScaleMode::Pair`] with sub-scales), the per-block scales come from the sub-scales
+/// ([`SubPair`]), never from the scale array.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `args(r, t)` describes packed row `r` and token `t` of matching buffers
 /// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type `half`
-/// says (and with `sums`, what [`sub_tile`] needs); `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+/// says (and with `sums` or `sub`, the sub-scales [`sub_tile`] and [`SubPair`] need);
+/// `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
     fmt: QFormat,
     mode: ScaleMode,
     half: bool,
     sums: bool,
+    sub: bool,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -395,6 +436,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
         (QFormat::I8, _) => go!(I8, Uni),
         (QFormat::I4, ScaleMode::Row) => go!(I4, PerRow),
         (QFormat::I4, ScaleMode::Half | ScaleMode::Quad) => go!(I4, Half),
+        (QFormat::I4, ScaleMode::Pair) if sub => go!(I4, SubPair),
         (QFormat::I4, ScaleMode::Pair) => go!(I4, Pair),
         (QFormat::I4, _) => go!(I4, Uni),
     }

@@ -327,23 +327,40 @@ impl QMat {
 
     /// Whether this CPU's integer kernels hold f16 scales and biases as f16
     /// ([`QMat::from_qtensor`]): from the VNNI level up, whose decode GEMVs stream at the memory's
-    /// pace, so half the side bytes is time saved. The AVX2 and portable kernels are compute-bound
-    /// per core (an AVX2 int4 GEMV moves ~13 GB/s on one Sapphire Rapids core): there the
-    /// conversion would cost ~5 % and save nothing, so they keep the f32 values (shared with the
-    /// [`QTensor`], no copy).
+    /// pace, so half the side bytes is time saved. The AVX2 and portable kernels keep f32 scales
+    /// (shared with the [`QTensor`], no copy): converting f16 scales in the AVX2 block loop cost
+    /// ~5 % and saved nothing. Except at the AVX2 level int4 with sub-scales, whose kernels do
+    /// not read the scale array ([`QMat::for_level`]).
     pub fn f16_sides_pay() -> bool {
         QSimd::detect() >= QSimd::Avx512Vnni
     }
 
     /// Repack `q` (checked with [`QMat::supports`] and `validate`) for this CPU
-    /// ([`QMat::f16_sides_pay`]).
+    /// ([`QMat::for_level`] of the detected level).
     pub fn from_qtensor(q: &QTensor) -> QMat {
-        let m = Self::with_sides(q, Self::f16_sides_pay());
-        if QSimd::detect() == QSimd::Avx2 {
-            m.with_sub_scales()
-        } else {
-            m
+        Self::for_level(q, QSimd::detect())
+    }
+
+    /// Repack `q` as the integer kernels of level `qs` hold it: scales and biases as f16 where
+    /// they fit from the VNNI level up ([`QMat::f16_sides_pay`]); at the AVX2 level, int4 whose
+    /// scales have the sub-scale form gets sub-scales ([`QMat::with_sub_scales`]), which the
+    /// AVX2 kernels read (a byte per group and a unit per super-block) with the biases, never
+    /// the scale array (a scale is `k * u` exactly: the same arithmetic). Its scales and biases
+    /// are then held as f16 when that is exact ([`QTensor::half_sides`]: our own files,
+    /// whose sides are f16): a decode step reads 4.875 bits per weight instead of 6, with
+    /// results bit for bit those of f32 sides. Otherwise (GGUF Q4_K's products `d * sc`) they
+    /// stay f32: 5.375 bits.
+    pub fn for_level(q: &QTensor, qs: QSimd) -> QMat {
+        let m = Self::with_sides(q, qs >= QSimd::Avx512Vnni);
+        if qs != QSimd::Avx2 {
+            return m;
         }
+        let mut m = m.with_sub_scales();
+        if m.sub.is_some() && !m.half_sides() && q.half_sides() {
+            m.scales = Side::new(&q.scales, true);
+            m.bias = q.bias.as_ref().map(|b| Side::new(b, true));
+        }
+        m
     }
 
     /// Repack `q` (checked with [`QMat::supports`] and `validate`), one row at a time into the
@@ -434,6 +451,21 @@ impl QMat {
         self
     }
 
+    /// Whether [`QMat::with_sub_scales`] would build sub-scales for `q` (int4 in groups of 32, no
+    /// column padding, every super-block's steps integer multiples of one unit), without
+    /// repacking it: what the AVX2 level will read of it ([`QMat::for_level`]).
+    pub fn has_sub_scale_form(q: &QTensor) -> bool {
+        let ng = q.cols / QBLOCK;
+        q.format == QFormat::I4
+            && q.group == QBLOCK
+            && q.cols.is_multiple_of(QCHUNK)
+            && q.scales.len() == q.rows * ng
+            && q.scales.par_chunks(ng).all(|row| {
+                let mut ks = [0u8; SUPER_BLOCKS];
+                row.chunks(SUPER_BLOCKS).all(|sb| common_unit(sb, &mut ks).is_some())
+            })
+    }
+
     /// The integer sub-scales, if built and the scales have that form.
     pub fn sub_scales(&self) -> Option<&SubScales> {
         self.sub.as_ref()
@@ -484,6 +516,17 @@ impl QMat {
             + self.bias.as_ref().map_or(0, |b| b.nbytes())
             + 4 * self.sidx.len()
             + self.sub.as_ref().map_or(0, |s| s.k.len() + 4 * s.unit.len())
+    }
+
+    /// Bytes one pass over every row reads at the level this matrix was built for (a decode
+    /// step): the packed values (column padding included), the sub-scales and units where built
+    /// (the AVX2 kernels then never read the scales), else the scales, and the biases.
+    pub fn decode_bytes(&self) -> usize {
+        let sides = match &self.sub {
+            Some(s) => s.k.len() + 4 * s.unit.len(),
+            None => self.scales.nbytes(),
+        };
+        self.rows * self.row_bytes() + sides + self.bias.as_ref().map_or(0, |b| b.nbytes())
     }
 
     /// The integer value of element `c` of row `r` minus the zero point.
@@ -835,13 +878,20 @@ impl TileArgs<'_> {
         Prefetcher::rows(self.w, self.row_bytes, tile_rows, self.next_rows, n)
     }
 
-    /// The same for the next rows' scales and biases (separate arrays; with int4 groups of 32
-    /// they are half as many bytes as the packed weights, and unprefetched they stalled the
+    /// The same for the next rows' scales (or sub-scales `k`) and biases (separate arrays; with
+    /// int4 groups of 32 and f32 sides they are half as many bytes as the packed weights, and unprefetched they stalled the
     /// decode GEMV: 19 % of int4 decode time went to the bias term before it moved in here).
     pub fn side_prefetchers(&self, tile_rows: usize, n: usize) -> [Prefetcher; 2] {
         let (rb, nr) = (self.ng * self.side_bytes, self.next_rows);
         let bias = if self.b.is_null() { Prefetcher::none() } else { Prefetcher::rows(self.b, rb, tile_rows, nr, n) };
-        let scales = if self.ng > 1 { Prefetcher::rows(self.s, rb, tile_rows, nr, n) } else { Prefetcher::none() };
+        // With sub-scales the kernels read `k` (a byte per group) instead of the scales.
+        let scales = if !self.k.is_null() {
+            Prefetcher::rows(self.k, self.ng, tile_rows, nr, n)
+        } else if self.ng > 1 {
+            Prefetcher::rows(self.s, rb, tile_rows, nr, n)
+        } else {
+            Prefetcher::none()
+        };
         [scales, bias]
     }
 
@@ -862,17 +912,31 @@ impl TileArgs<'_> {
             return 0.0;
         }
         // SAFETY: the caller's rows and tokens have `ng` scales, biases (when not null) and group
-        // sums each.
+        // sums each; with sub-scales (`k` not null; groups of 32, one unit per eight groups),
+        // `ng` values of `k` and `ng / 8` (rounded up) units per row.
         unsafe {
             let (s, a) = (self.s.cast::<E>().add(r * self.ng), self.ga.add(t * self.ng));
             let b = self.b.cast::<E>().wrapping_add(r * self.ng);
+            // With sub-scales, each scale is `k * u`: the same f32 value exactly
+            // ([`common_unit`]), without reading the scales.
+            let sub = !self.k.is_null();
+            let (k, u) = (self.k.wrapping_add(r * self.ng), self.unit.wrapping_add(r * self.ng.div_ceil(SUPER_BLOCKS)));
+            let s8 = |i: usize| {
+                if sub {
+                    let kv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(k.add(i) as *const __m128i));
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(kv), _mm256_set1_ps(*u.add(i / SUPER_BLOCKS)))
+                } else {
+                    E::load8(s.add(i))
+                }
+            };
+            let s1 = |i: usize| if sub { *k.add(i) as f32 * *u.add(i / SUPER_BLOCKS) } else { E::get(s, i) };
             let z = if zero8 { -8.0 } else { 0.0 };
             let n8 = self.ng / 8 * 8;
             let mut acc = _mm256_setzero_ps();
             for i in (0..n8).step_by(8) {
                 let w = match (nob, zero8) {
-                    (true, _) => _mm256_mul_ps(E::load8(s.add(i)), _mm256_set1_ps(z)),
-                    (false, true) => _mm256_fmadd_ps(E::load8(s.add(i)), _mm256_set1_ps(z), E::load8(b.add(i))),
+                    (true, _) => _mm256_mul_ps(s8(i), _mm256_set1_ps(z)),
+                    (false, true) => _mm256_fmadd_ps(s8(i), _mm256_set1_ps(z), E::load8(b.add(i))),
                     (false, false) => E::load8(b.add(i)),
                 };
                 acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.add(i)), acc);
@@ -882,7 +946,7 @@ impl TileArgs<'_> {
             let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
             for i in n8..self.ng {
                 let bias = if nob { 0.0 } else { E::get(b, i) };
-                sum += (z * E::get(s, i) + bias) * *a.add(i);
+                sum += (z * s1(i) + bias) * *a.add(i);
             }
             sum
         }
@@ -1094,8 +1158,10 @@ pub(super) fn rows_tokens(
             // every tile's rows and tokens are inside `w` and `act`, its scales and biases `ng`
             // per row of `side_bytes` each (f16 exactly when `half`); with `sums`, the
             // activations share one scale per super-block and an int4 `w` has sub-scales, which
-            // the tiles' `k` and `unit` point into; `tmp` holds nt * ld.
-            unsafe { super::qavx2::rows_tokens(w.format, w.mode, half, sums, &args, r0, r1, t0, nt, tmp, ld) }
+            // the tiles' `k` and `unit` point into (as with `sub`); `tmp` holds nt * ld.
+            unsafe {
+                super::qavx2::rows_tokens(w.format, w.mode, half, sums, sub.is_some(), &args, r0, r1, t0, nt, tmp, ld)
+            }
         }
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx512Vnni | QSimd::AmxInt8 => {

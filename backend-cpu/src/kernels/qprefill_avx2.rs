@@ -128,7 +128,9 @@ impl Panel {
             }
             for g in 0..ng {
                 let bias = w.bias().map_or(0.0, |b| b.get(r * ng + g));
-                self.z[g * ROWS + j] = bias + -8.0 * w.scales().get(r * ng + g);
+                // The scale is `k * u` exactly (the scale array is not read).
+                let scale = sub.k[r * ng + g] as f32 * sub.unit[r * nsb + g / SUPER_BLOCKS];
+                self.z[g * ROWS + j] = bias + -8.0 * scale;
             }
         }
     }

@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use spark_core::gguf::{is_gguf, GgufFile};
-use spark_core::quant::{snr_db, QPlan, QuantSpec};
+use spark_core::quant::{snr_db, QFormat, QPlan, QuantSpec};
 use spark_core::sample::Xoshiro256;
 use spark_core::weights::{NamedRef, Weight};
 use spark_core::{LogitsMode, SeqStep};
@@ -100,14 +100,40 @@ impl PeakRss {
     }
 }
 
+/// How the serving backend holds quantized matrices, for the bytes one decode step reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Holding {
+    /// Group scales and biases held as f16 where they fit.
+    pub f16_sides: bool,
+    /// int4 in groups of 32 whose scales are integer multiples of one unit per super-block read
+    /// as those integers (a byte per group, an f32 unit per super-block) and f16 biases, never
+    /// the scales (the CPU backend's AVX2 level: `QMat::for_level`).
+    pub sub_scales: bool,
+}
+
+/// Bytes of a `[rows, cols]` int4 matrix in groups of 32 read through its sub-scales
+/// ([`Holding::sub_scales`]): the values, `k`, the units and the biases (`bias_bytes` each).
+fn sub_scaled_bytes(rows: usize, cols: usize, bias_bytes: usize) -> usize {
+    let ng = cols / 32;
+    rows * (cols / 2 + ng + 4 * ng.div_ceil(8) + bias_bytes * ng)
+}
+
 /// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
-/// norms included), and a precision label, from the checkpoint as it will be served
-/// (`f16_sides`: whether the backend holds f16 group scales and biases as f16).
+/// norms included), and a precision label, from the checkpoint as it will be served (`hold`).
 ///
 /// A GGUF file is counted from its tensor headers ([`GgmlType::served_plan`]), without
 /// converting its blocks; its K-quants' group scales count as f16 when `f16_sides`, as the
-/// backend holds them when they fit an f16 (`QTensor::sides_fit_f16`, true of real files).
-pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sides: bool) -> Result<(f64, String)> {
+/// backend holds them when they fit an f16 (`QTensor::sides_fit_f16`, true of real files), and
+/// Q4_K through its sub-scales with f32 biases when `sub_scales`
+/// ([`GgmlType::integer_sub_scales`]). int4 that
+/// `spark-run quantize` writes, or that `--quant` makes while loading, in groups of 32 has
+/// sub-scales by construction; other int4 files are checked.
+pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: Holding) -> Result<(f64, String)> {
+    let f16_sides = hold.f16_sides;
+    // int4 in groups of 32 with biases, rows a multiple of 64 columns (no padding).
+    let sub_plan = |p: &QPlan, cols: usize| {
+        hold.sub_scales && p.format == QFormat::I4 && p.group == 32 && p.bias && cols.is_multiple_of(64)
+    };
     let gguf = if is_gguf(path) { Some(GgufFile::open(path)?) } else { None };
     let (n_layers, weights) = match &gguf {
         Some(f) => (f.config()?.n_layers, None),
@@ -132,7 +158,11 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sid
                 let (rows, cols) = (shape[0], shape[1]);
                 let plan = spec.plan(name, cols)?;
                 note(plan.label(cols));
-                plan.nbytes_served(rows, cols, f16_sides)
+                if sub_plan(&plan, cols) {
+                    sub_scaled_bytes(rows, cols, 2)
+                } else {
+                    plan.nbytes_served(rows, cols, f16_sides)
+                }
             }
             _ => {
                 if matrix {
@@ -148,7 +178,12 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sid
             bytes += match t.kind.served_plan() {
                 Some(plan) if shape.len() == 2 => {
                     note(plan.label(shape[1]));
-                    plan.nbytes_served(shape[0], shape[1], f16_sides)
+                    if t.kind.integer_sub_scales() && sub_plan(&plan, shape[1]) {
+                        // Q4_K's biases `-dmin * m` are not f16 values: held as f32.
+                        sub_scaled_bytes(shape[0], shape[1], 4)
+                    } else {
+                        plan.nbytes_served(shape[0], shape[1], f16_sides)
+                    }
                 }
                 _ => float(&name, &shape, t.nbytes(), &mut note)?,
             };
@@ -159,8 +194,13 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, f16_sid
             bytes += match r {
                 NamedRef::T(t) => t.bytes().len(),
                 NamedRef::W(Weight::Quant(q)) => {
-                    note(QPlan { format: q.format, group: q.group, bias: q.bias.is_some() }.label(q.cols));
-                    q.nbytes_served(f16_sides)
+                    let plan = QPlan { format: q.format, group: q.group, bias: q.bias.is_some() };
+                    note(plan.label(q.cols));
+                    if sub_plan(&plan, q.cols) && cpu_sub_scale_form(q) {
+                        sub_scaled_bytes(q.rows, q.cols, if q.half_sides() { 2 } else { 4 })
+                    } else {
+                        q.nbytes_served(f16_sides)
+                    }
                 }
                 NamedRef::W(Weight::Float(t)) => float(&name, &t.shape, t.bytes().len(), &mut note)?,
             };
@@ -182,15 +222,27 @@ fn argmax(v: &[f32]) -> usize {
     v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
 }
 
-/// Whether the CPU backend holds f16 group scales and biases as f16 on this CPU.
+/// How the CPU backend holds quantized matrices on this CPU.
 #[cfg(feature = "cpu")]
-pub fn cpu_f16_sides() -> bool {
-    backend_cpu::kernels::qmatmul::QMat::f16_sides_pay()
+pub fn cpu_holding() -> Holding {
+    use backend_cpu::kernels::{qmatmul::QMat, QSimd};
+    Holding { f16_sides: QMat::f16_sides_pay(), sub_scales: QSimd::detect() == QSimd::Avx2 }
 }
 
 #[cfg(not(feature = "cpu"))]
-pub fn cpu_f16_sides() -> bool {
-    true
+pub fn cpu_holding() -> Holding {
+    Holding { f16_sides: true, sub_scales: false }
+}
+
+/// Whether the CPU backend would read `q` through integer sub-scales.
+#[cfg(feature = "cpu")]
+fn cpu_sub_scale_form(q: &spark_core::quant::QTensor) -> bool {
+    backend_cpu::kernels::qmatmul::QMat::has_sub_scale_form(q)
+}
+
+#[cfg(not(feature = "cpu"))]
+fn cpu_sub_scale_form(_q: &spark_core::quant::QTensor) -> bool {
+    false
 }
 
 #[cfg(feature = "cpu")]
@@ -241,8 +293,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let quant = load::quant(&a.model)?;
-    let f16_sides = info.backend != "cpu" || cpu_f16_sides();
-    let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name(), f16_sides)?;
+    let hold = if info.backend == "cpu" { cpu_holding() } else { Holding { f16_sides: true, sub_scales: false } };
+    let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name(), hold)?;
     // The measured ceiling is host memory: meaningful for the CPU backend only (a GPU's HBM
     // roofline comes from its specification; see docs/BENCHMARKS.md).
     let (bw, _) = if a.n_gen > 0 && info.backend == "cpu" { roofline(l.threads) } else { (0.0, 0.0) };
@@ -396,4 +448,25 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(all(test, feature = "cpu"))]
+mod tests {
+    use backend_cpu::kernels::{qmatmul::QMat, QSimd};
+    use spark_core::quant::{quantize, QFormat, QuantSpec};
+
+    /// The bytes counted for int4 read through sub-scales are what the AVX2 level holds and
+    /// reads of a matrix `spark-run quantize` writes.
+    #[test]
+    fn sub_scaled_bytes_are_what_the_avx2_level_reads() {
+        let (rows, cols) = (24, 2048);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.04).collect();
+        let q = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        assert!(QMat::has_sub_scale_form(&q));
+        let m = QMat::for_level(&q, QSimd::Avx2);
+        assert!(m.sub_scales().is_some() && m.half_sides());
+        assert_eq!(super::sub_scaled_bytes(rows, cols, 2), m.decode_bytes());
+        // 4.875 bits per weight, against 6 with f32 scales and biases.
+        assert_eq!(8 * m.decode_bytes(), rows * cols * 39 / 8);
+    }
 }

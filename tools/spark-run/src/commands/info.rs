@@ -69,9 +69,9 @@ pub fn run(a: InfoArgs) -> Result<()> {
     println!("\nmemory plan (compute dtype {dtype}, context {ctx}):");
     let weights = total_bytes as f64;
     let quant = load::quant(&a.model)?;
-    // As the CPU backend serves it (f16 group scales kept f16 from the VNNI level up).
-    let f16_sides = super::bench::cpu_f16_sides();
-    let (served, precision) = super::bench::weight_plan(&dir, quant, dtype.name(), f16_sides)?;
+    // As the CPU backend serves it (f16 group scales kept f16 from the VNNI level up; AVX2 int4
+    // with sub-scales read through them).
+    let (served, precision) = super::bench::weight_plan(&dir, quant, dtype.name(), super::bench::cpu_holding())?;
     let quantized = precision.contains("int");
     let converted = if dtype != stored && !quantized { cfg.param_count() as f64 * dtype.size() as f64 } else { 0.0 };
     println!(
