@@ -112,14 +112,26 @@ pub struct Holding {
 }
 
 /// Bytes of a `[rows, cols]` int4 matrix in groups of 32 read through its sub-scales
-/// ([`Holding::sub_scales`]): the values, `k`, the units and the biases (`bias_bytes` each).
-fn sub_scaled_bytes(rows: usize, cols: usize, bias_bytes: usize) -> usize {
+/// ([`Holding::sub_scales`]): the values, `k`, the units and the biases (`side_bytes` each);
+/// and the bytes of its scales, held (for the dequantizing paths) but not read.
+fn sub_scaled_bytes(rows: usize, cols: usize, side_bytes: usize) -> (usize, usize) {
     let ng = cols / 32;
-    rows * (cols / 2 + ng + 4 * ng.div_ceil(8) + bias_bytes * ng)
+    (rows * (cols / 2 + ng + 4 * ng.div_ceil(8) + side_bytes * ng), rows * ng * side_bytes)
+}
+
+/// What serving a checkpoint takes: [`weight_plan`].
+pub struct WeightPlan {
+    /// Weight bytes one decode step reads.
+    pub read: f64,
+    /// Weight bytes held (`read` and scales the kernels do not read).
+    pub held: f64,
+    /// `int8-ch+int4-g32+bias (act bf16)`, `bf16`, ...
+    pub precision: String,
 }
 
 /// Weight bytes one decode step reads (every matrix once, the tied embedding once as the head;
-/// norms included), and a precision label, from the checkpoint as it will be served (`hold`).
+/// norms included) and held, and a precision label, from the checkpoint as it will be served
+/// (`hold`).
 ///
 /// A GGUF file is counted from its tensor headers ([`GgmlType::served_plan`]), without
 /// converting its blocks; its K-quants' group scales count as f16 when `f16_sides`, as the
@@ -128,7 +140,7 @@ fn sub_scaled_bytes(rows: usize, cols: usize, bias_bytes: usize) -> usize {
 /// ([`GgmlType::integer_sub_scales`]). int4 that
 /// `spark-run quantize` writes, or that `--quant` makes while loading, in groups of 32 has
 /// sub-scales by construction; other int4 files are checked.
-pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: Holding) -> Result<(f64, String)> {
+pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: Holding) -> Result<WeightPlan> {
     let f16_sides = hold.f16_sides;
     // int4 in groups of 32 with biases, rows a multiple of 64 columns (no padding).
     let sub_plan = |p: &QPlan, cols: usize| {
@@ -143,7 +155,7 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
         }
     };
     let quant = quant.map(|s| s.for_layers(n_layers));
-    let mut bytes = 0usize;
+    let (mut bytes, mut unread) = (0usize, 0usize);
     let mut kinds: Vec<String> = vec![];
     let mut note = |k: String| {
         if !kinds.contains(&k) {
@@ -151,7 +163,7 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
         }
     };
     // A float matrix or vector: `stored` bytes as they are, or quantized while loading.
-    let float = |name: &str, shape: &[usize], stored: usize, note: &mut dyn FnMut(String)| -> Result<usize> {
+    let float = |name: &str, shape: &[usize], stored: usize, note: &mut dyn FnMut(String)| -> Result<(usize, usize)> {
         let matrix = shape.len() == 2 && !name.ends_with("g_proj.weight");
         Ok(match quant {
             Some(spec) if matrix => {
@@ -161,53 +173,58 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
                 if sub_plan(&plan, cols) {
                     sub_scaled_bytes(rows, cols, 2)
                 } else {
-                    plan.nbytes_served(rows, cols, f16_sides)
+                    (plan.nbytes_served(rows, cols, f16_sides), 0)
                 }
             }
             _ => {
                 if matrix {
                     note(compute.to_string());
                 }
-                stored
+                (stored, 0)
             }
         })
     };
     if let Some(f) = &gguf {
         for (name, t) in f.checkpoint_tensors(n_layers) {
             let shape = t.shape();
-            bytes += match t.kind.served_plan() {
+            let (read, held_only) = match t.kind.served_plan() {
                 Some(plan) if shape.len() == 2 => {
                     note(plan.label(shape[1]));
                     if t.kind.integer_sub_scales() && sub_plan(&plan, shape[1]) {
-                        // Q4_K's biases `-dmin * m` are not f16 values: held as f32.
+                        // Q4_K's scales and biases (`d * sc`, `-dmin * m`) are not f16 values:
+                        // held as f32.
                         sub_scaled_bytes(shape[0], shape[1], 4)
                     } else {
-                        plan.nbytes_served(shape[0], shape[1], f16_sides)
+                        (plan.nbytes_served(shape[0], shape[1], f16_sides), 0)
                     }
                 }
                 _ => float(&name, &shape, t.nbytes(), &mut note)?,
             };
+            bytes += read;
+            unread += held_only;
         }
     }
     if let Some(w) = &weights {
         for (name, r) in w.named() {
-            bytes += match r {
-                NamedRef::T(t) => t.bytes().len(),
+            let (read, held_only) = match r {
+                NamedRef::T(t) => (t.bytes().len(), 0),
                 NamedRef::W(Weight::Quant(q)) => {
                     let plan = QPlan { format: q.format, group: q.group, bias: q.bias.is_some() };
                     note(plan.label(q.cols));
                     if sub_plan(&plan, q.cols) && cpu_sub_scale_form(q) {
                         sub_scaled_bytes(q.rows, q.cols, if q.half_sides() { 2 } else { 4 })
                     } else {
-                        q.nbytes_served(f16_sides)
+                        (q.nbytes_served(f16_sides), 0)
                     }
                 }
                 NamedRef::W(Weight::Float(t)) => float(&name, &t.shape, t.bytes().len(), &mut note)?,
             };
+            bytes += read;
+            unread += held_only;
         }
     }
     let act = if kinds.iter().any(|k| k.starts_with("int")) { format!(" (act {compute})") } else { String::new() };
-    Ok((bytes as f64, format!("{}{act}", kinds.join("+"))))
+    Ok(WeightPlan { read: bytes as f64, held: (bytes + unread) as f64, precision: format!("{}{act}", kinds.join("+")) })
 }
 
 /// Logits over a fixed prompt for every position.
@@ -294,7 +311,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let quant = load::quant(&a.model)?;
     let hold = if info.backend == "cpu" { cpu_holding() } else { Holding { f16_sides: true, sub_scales: false } };
-    let (bytes_per_token, precision) = weight_plan(&l.dir, quant, info.dtype.name(), hold)?;
+    let WeightPlan { read: bytes_per_token, precision, .. } = weight_plan(&l.dir, quant, info.dtype.name(), hold)?;
     // The measured ceiling is host memory: meaningful for the CPU backend only (a GPU's HBM
     // roofline comes from its specification; see docs/BENCHMARKS.md).
     let (bw, _) = if a.n_gen > 0 && info.backend == "cpu" { roofline(l.threads) } else { (0.0, 0.0) };
@@ -465,7 +482,7 @@ mod tests {
         assert!(QMat::has_sub_scale_form(&q));
         let m = QMat::for_level(&q, QSimd::Avx2);
         assert!(m.sub_scales().is_some() && m.half_sides());
-        assert_eq!(super::sub_scaled_bytes(rows, cols, 2), m.decode_bytes());
+        assert_eq!(super::sub_scaled_bytes(rows, cols, 2), (m.decode_bytes(), m.scales().nbytes()));
         // 4.875 bits per weight, against 6 with f32 scales and biases.
         assert_eq!(8 * m.decode_bytes(), rows * cols * 39 / 8);
     }

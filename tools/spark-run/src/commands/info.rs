@@ -71,7 +71,8 @@ pub fn run(a: InfoArgs) -> Result<()> {
     let quant = load::quant(&a.model)?;
     // As the CPU backend serves it (f16 group scales kept f16 from the VNNI level up; AVX2 int4
     // with sub-scales read through them).
-    let (served, precision) = super::bench::weight_plan(&dir, quant, dtype.name(), super::bench::cpu_holding())?;
+    let plan = super::bench::weight_plan(&dir, quant, dtype.name(), super::bench::cpu_holding())?;
+    let (served, precision) = (plan.held, plan.precision);
     let quantized = precision.contains("int");
     let converted = if dtype != stored && !quantized { cfg.param_count() as f64 * dtype.size() as f64 } else { 0.0 };
     println!(
@@ -94,7 +95,7 @@ pub fn run(a: InfoArgs) -> Result<()> {
             mib(served)
         );
     }
-    println!("  weights read per decode step   {}", mib(served));
+    println!("  weights read per decode step   {}", mib(plan.read));
     let kv_dtype = if dtype == DType::BF16 { DType::BF16 } else { DType::F32 };
     for t in [LayerType::Sliding, LayerType::Full] {
         let s = KvSpec::for_layer(&cfg, t, ctx, kv_dtype);
