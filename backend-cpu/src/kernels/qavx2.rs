@@ -118,7 +118,7 @@ impl Scale for SubPair {
     const SUB: bool = true;
     #[inline(always)]
     unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _b: usize) -> __m256 {
-        unreachable!("SubPair scales come from TileArgs::k (sub_sv)")
+        unreachable!("tile takes SubPair scales from sub_scale")
     }
 }
 

@@ -456,7 +456,8 @@ impl QMat {
     /// repacking it: what the AVX2 level will read of it ([`QMat::for_level`]).
     pub fn has_sub_scale_form(q: &QTensor) -> bool {
         let ng = q.cols / QBLOCK;
-        q.format == QFormat::I4
+        QMat::supports(q)
+            && q.format == QFormat::I4
             && q.group == QBLOCK
             && q.cols.is_multiple_of(QCHUNK)
             && q.scales.len() == q.rows * ng
@@ -879,8 +880,9 @@ impl TileArgs<'_> {
     }
 
     /// The same for the next rows' scales (or sub-scales `k`) and biases (separate arrays; with
-    /// int4 groups of 32 and f32 sides they are half as many bytes as the packed weights, and unprefetched they stalled the
-    /// decode GEMV: 19 % of int4 decode time went to the bias term before it moved in here).
+    /// int4 groups of 32 and f32 sides they are half as many bytes as the packed weights, and
+    /// unprefetched they stalled the decode GEMV: 19 % of int4 decode time went to the bias
+    /// term before it moved in here).
     pub fn side_prefetchers(&self, tile_rows: usize, n: usize) -> [Prefetcher; 2] {
         let (rb, nr) = (self.ng * self.side_bytes, self.next_rows);
         let bias = if self.b.is_null() { Prefetcher::none() } else { Prefetcher::rows(self.b, rb, tile_rows, nr, n) };

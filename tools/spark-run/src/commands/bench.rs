@@ -106,7 +106,7 @@ pub struct Holding {
     /// Group scales and biases held as f16 where they fit.
     pub f16_sides: bool,
     /// int4 in groups of 32 whose scales are integer multiples of one unit per super-block read
-    /// as those integers (a byte per group, an f32 unit per super-block) and f16 biases, never
+    /// as those integers (a byte per group, an f32 unit per super-block) and the biases, never
     /// the scales (the CPU backend's AVX2 level: `QMat::for_level`).
     pub sub_scales: bool,
 }
@@ -137,9 +137,9 @@ pub struct WeightPlan {
 /// converting its blocks; its K-quants' group scales count as f16 when `f16_sides`, as the
 /// backend holds them when they fit an f16 (`QTensor::sides_fit_f16`, true of real files), and
 /// Q4_K through its sub-scales with f32 biases when `sub_scales`
-/// ([`GgmlType::integer_sub_scales`]). int4 that
-/// `spark-run quantize` writes, or that `--quant` makes while loading, in groups of 32 has
-/// sub-scales by construction; other int4 files are checked.
+/// ([`GgmlType::integer_sub_scales`]). The int4 that `spark-run quantize` writes, or that
+/// `--quant` makes while loading, in groups of 32 has sub-scales by construction (and f16
+/// sides); other int4 files are checked.
 pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: Holding) -> Result<WeightPlan> {
     let f16_sides = hold.f16_sides;
     // int4 in groups of 32 with biases, rows a multiple of 64 columns (no padding).
