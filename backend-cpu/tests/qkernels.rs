@@ -303,6 +303,14 @@ fn avx2_level_holds_sub_scaled_int4_with_f16_sides() {
             assert!(a.iter().all(|v| v.is_finite()));
         }
     }
+    // Biases that are not f16 values (as GGUF Q4_K's `-dmin * m`): sub-scales, f32 sides kept
+    // (5.375 bits read per weight).
+    let bias = qt.bias.as_ref().expect("int4 g32 has biases");
+    let q4k =
+        QTensor { bias: Some(Arc::new(bias.iter().map(|&b| b * (1.0 + 2f32.powi(-22))).collect())), ..qt.clone() };
+    let m = QMat::for_level(&q4k, QSimd::Avx2);
+    assert!(m.sub_scales().is_some() && !m.half_sides(), "inexact sides stay f32");
+    assert_eq!(m.decode_bytes(), rows * (cols / 2 + ng + 4 * ng.div_ceil(8) + 4 * ng));
     // Free-form scales (random, some negative): no sub-scales, f32 sides at the AVX2 level.
     let free = random_q(9, 256, QFormat::I4, 32, true, true, &mut seed);
     assert!(!QMat::has_sub_scale_form(&free));

@@ -235,6 +235,23 @@ impl Side {
         }
     }
 
+    /// `v` as f16 bits when every value is exactly an f16 value (`QTensor::half_sides`'s test),
+    /// else `None`.
+    fn exact_f16(v: &[f32]) -> Option<Side> {
+        use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+        const CHUNK: usize = 4096;
+        let mut bits = vec![0u16; v.len()];
+        let exact = bits.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).all(|(o, x)| {
+            let h = o.reinterpret_cast_mut::<half::f16>();
+            h.convert_from_f32_slice(x);
+            let mut back = [0.0f32; CHUNK];
+            let back = &mut back[..x.len()];
+            h.convert_to_f32_slice(back);
+            back.iter().zip(x).all(|(b, x)| x.is_finite() && b == x)
+        });
+        exact.then_some(Side::F16(bits))
+    }
+
     /// Value `i`.
     #[inline]
     pub fn get(&self, i: usize) -> f32 {
@@ -346,8 +363,8 @@ impl QMat {
     /// scales have the sub-scale form gets sub-scales ([`QMat::with_sub_scales`]), which the
     /// AVX2 kernels read (a byte per group and a unit per super-block) with the biases, never
     /// the scale array (a scale is `k * u` exactly: the same arithmetic). Its scales and biases
-    /// are then held as f16 when that is exact ([`QTensor::half_sides`]: our own files,
-    /// whose sides are f16): a decode step reads 4.875 bits per weight instead of 6, with
+    /// are then held as f16 when that is exact (every value an f16 value, as
+    /// [`QTensor::half_sides`] tests: our own files, whose sides are f16): a decode step reads 4.875 bits per weight instead of 6, with
     /// results bit for bit those of f32 sides. Otherwise (GGUF Q4_K's products `d * sc`) they
     /// stay f32: 5.375 bits.
     pub fn for_level(q: &QTensor, qs: QSimd) -> QMat {
@@ -356,9 +373,17 @@ impl QMat {
             return m;
         }
         let mut m = m.with_sub_scales();
-        if m.sub.is_some() && !m.half_sides() && q.half_sides() {
-            m.scales = Side::new(&q.scales, true);
-            m.bias = q.bias.as_ref().map(|b| Side::new(b, true));
+        if m.sub.is_some() && !m.half_sides() {
+            // One pass per array: the f16 bits, or `None` at the first value that is not one.
+            if let Some(scales) = Side::exact_f16(&q.scales) {
+                let bias = match &q.bias {
+                    None => Some(None),
+                    Some(b) => Side::exact_f16(b).map(Some),
+                };
+                if let Some(bias) = bias {
+                    (m.scales, m.bias) = (scales, bias);
+                }
+            }
         }
         m
     }
