@@ -364,9 +364,9 @@ impl QMat {
     /// AVX2 kernels read (a byte per group and a unit per super-block) with the biases, never
     /// the scale array (a scale is `k * u` exactly: the same arithmetic). Its scales and biases
     /// are then held as f16 when that is exact (every value an f16 value, as
-    /// [`QTensor::half_sides`] tests: our own files, whose sides are f16): a decode step reads 4.875 bits per weight instead of 6, with
-    /// results bit for bit those of f32 sides. Otherwise (GGUF Q4_K's products `d * sc`) they
-    /// stay f32: 5.375 bits.
+    /// [`QTensor::half_sides`] tests: our own files, whose sides are f16): a decode step reads
+    /// 4.875 bits per weight instead of 6, with results bit for bit those of f32 sides.
+    /// Otherwise (GGUF Q4_K's products `d * sc`) they stay f32: 5.375 bits.
     pub fn for_level(q: &QTensor, qs: QSimd) -> QMat {
         let m = Self::with_sides(q, qs >= QSimd::Avx512Vnni);
         if qs != QSimd::Avx2 {
