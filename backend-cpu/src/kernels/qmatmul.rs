@@ -80,6 +80,15 @@ pub struct SubScales {
     pub unit: Vec<f32>,
 }
 
+/// One row's sub-scales from its scales (groups of 32): `k` into `ks`, one unit per super-block
+/// into `us` ([`common_unit`]), or false where a super-block has no such form.
+fn row_sub_scales(row: &[f32], ks: &mut [u8], us: &mut [f32]) -> bool {
+    row.chunks(SUPER_BLOCKS)
+        .zip(ks.chunks_mut(SUPER_BLOCKS))
+        .zip(us.iter_mut())
+        .all(|((sb, ks), u)| common_unit(sb, ks).map(|v| *u = v).is_some())
+}
+
 /// How a 32-block finds its weight scales (all groups are multiples of 16).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScaleMode {
@@ -465,10 +474,7 @@ impl QMat {
         let ok = k.par_chunks_mut(ng).zip(unit.par_chunks_mut(nsb)).enumerate().all(|(r, (kr, ur))| {
             let mut row = vec![0.0f32; ng];
             scales.get_into(r * ng, &mut row);
-            row.chunks(SUPER_BLOCKS)
-                .zip(kr.chunks_mut(SUPER_BLOCKS))
-                .zip(ur.iter_mut())
-                .all(|((sb, ks), u)| common_unit(sb, ks).map(|v| *u = v).is_some())
+            row_sub_scales(&row, kr, ur)
         });
         if ok {
             self.sub = Some(SubScales { k, unit });
@@ -487,8 +493,8 @@ impl QMat {
             && q.cols.is_multiple_of(QCHUNK)
             && q.scales.len() == q.rows * ng
             && q.scales.par_chunks(ng).all(|row| {
-                let mut ks = [0u8; SUPER_BLOCKS];
-                row.chunks(SUPER_BLOCKS).all(|sb| common_unit(sb, &mut ks).is_some())
+                let (mut ks, mut us) = (vec![0u8; ng], vec![0.0f32; ng.div_ceil(SUPER_BLOCKS)]);
+                row_sub_scales(row, &mut ks, &mut us)
             })
     }
 
