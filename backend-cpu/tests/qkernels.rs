@@ -705,14 +705,20 @@ fn bench_kernels() {
             // scheduler ticks; the best window is the least disturbed by other processes).
             let time = |f: &mut (dyn FnMut() + Send)| {
                 pool.install(|| {
+                    // Calls per clock read: the read is a file read (microseconds), which would
+                    // swamp a small shape's call; batches of at least ~1 ms of CPU time.
+                    let t = thread_cpu_ns();
                     f();
+                    let batch = (1_000_000 / (thread_cpu_ns() - t).max(1)).clamp(1, 10_000);
                     let mut best = f64::INFINITY;
                     for _ in 0..5 {
                         let t = thread_cpu_ns();
                         let mut reps = 0;
                         while thread_cpu_ns() - t < 100_000_000 {
-                            f();
-                            reps += 1;
+                            for _ in 0..batch {
+                                f();
+                            }
+                            reps += batch;
                         }
                         best = best.min((thread_cpu_ns() - t) as f64 / reps as f64 * 1e-9);
                     }
@@ -876,4 +882,79 @@ fn amx_dequantized_tiles_match_reference() {
             }
         }
     }
+}
+
+/// Decode GEMV throughput across many matrices, as a decode step streams them (not a test:
+/// `cargo test --release -p backend-cpu --test qkernels bench_decode_stream -- --ignored
+/// --nocapture`). Weights as `spark-run quantize` writes them (`QBENCH_FORMAT`: `int4`, the
+/// default, group 32 with super-block steps, or `int8` per channel), held for the detected level
+/// (`SPARK_CPU_SIMD` caps it); one token; `QBENCH_THREADS` threads (default 2); enough copies of
+/// a 2048 x 2048 matrix (`QBENCH_MB` megabytes, default 600) that they stream from memory, not
+/// from the last-level cache. With `QBENCH_SPLIT` set, each thread runs its own share of the
+/// matrices on a one-thread pool (no fork-join per matrix), to tell the threads' sync apart
+/// from the kernel. Reports the bytes one decode step reads of them, per second.
+#[test]
+#[ignore]
+fn bench_decode_stream() {
+    let mut seed = 5u64;
+    let threads = std::env::var("QBENCH_THREADS").map_or(2, |v| v.parse().expect("QBENCH_THREADS"));
+    let mb: usize = std::env::var("QBENCH_MB").map_or(600, |v| v.parse().expect("QBENCH_MB"));
+    let format = std::env::var("QBENCH_FORMAT").unwrap_or_else(|_| "int4".into());
+    let spec = match format.as_str() {
+        "int4" => spark_core::quant::QuantSpec::new(QFormat::I4, Some(32)),
+        "int8" => spark_core::quant::QuantSpec::new(QFormat::I8, None),
+        other => panic!("QBENCH_FORMAT: int4 or int8, not {other}"),
+    };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let (m, k) = (2048, 2048);
+    let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
+    let q = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
+    let qs = QSimd::detect();
+    let one = QMat::for_level(&q, qs);
+    let bytes = one.decode_bytes();
+    let copies = (mb << 20).div_ceil(bytes);
+    let mats: Vec<QMat> = (0..copies).map(|_| QMat::for_level(&q, qs)).collect();
+    let x = random_x(1, k, &mut seed);
+    let mut out = vec![0.0f32; m];
+    // The best of 7 passes over all the copies.
+    let mut best = f64::INFINITY;
+    if std::env::var_os("QBENCH_SPLIT").is_some() {
+        for _ in 0..7 {
+            let t = std::time::Instant::now();
+            std::thread::scope(|sc| {
+                for part in mats.chunks(mats.len().div_ceil(threads)) {
+                    let x = &x;
+                    sc.spawn(move || {
+                        let p1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+                        let mut out = vec![0.0f32; m];
+                        p1.install(|| {
+                            for w in part {
+                                qmatmul(qs, x, 1, k, w, &mut out, DType::F32);
+                            }
+                        });
+                    });
+                }
+            });
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    } else {
+        pool.install(|| {
+            for _ in 0..7 {
+                let t = std::time::Instant::now();
+                for w in &mats {
+                    qmatmul(qs, &x, 1, k, w, &mut out, DType::F32);
+                }
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+        });
+    }
+    eprintln!(
+        "{qs:?}, {threads} threads{}, {copies} x {m}x{k} {format} (sub-scales: {}, {:.2} bits per weight read): \
+         {:.1} GB/s, {:.1} us per matrix",
+        if std::env::var_os("QBENCH_SPLIT").is_some() { " (split)" } else { "" },
+        one.sub_scales().is_some(),
+        (bytes * 8) as f64 / (m * k) as f64,
+        (bytes * copies) as f64 / best * 1e-9,
+        best / copies as f64 * 1e6
+    );
 }
