@@ -695,7 +695,7 @@ fn bench_kernels() {
     for &(m, k) in &shapes {
         let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
         let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        for &n in &[1usize, 4, 16, 32, 64, 128, 256] {
+        for &n in &[1usize, 4, 16, 32, 64, 128, 256, 512] {
             if std::env::var("QBENCH_N").is_ok_and(|v| v != n.to_string()) {
                 continue;
             }

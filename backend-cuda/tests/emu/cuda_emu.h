@@ -1,0 +1,95 @@
+// A CPU emulation of the small part of CUDA C that backend-cuda's kernels.cu uses, so that the
+// kernels' logic can be tested on machines without a GPU (tests/kernels_emulated.rs compiles
+// kernels.cu with g++ against this header).
+//
+// What it models: a launch runs the grid's blocks one after another; each block's threads are
+// real OS threads, so `__syncthreads` is a barrier over the block's threads and
+// `__shfl_xor_sync` an exchange through a barrier over the warp's 32 threads; threads that return
+// early leave both barriers, as exited threads do on the GPU. `__shared__` variables are
+// function-local statics (one block runs at a time), and dynamic shared memory is one global
+// array (`sh`, the only name kernels.cu gives it).
+//
+// What it does not model: the GPU's memory model and timing (races that a barrier does not
+// order may behave differently), its math library (`expf`, `erff` here are glibc's, which may
+// differ from CUDA's by an ulp or two), or inline PTX (`asm` statements become no-ops: kernels.cu
+// uses them only for hints and for sm_90 launch dependencies).
+
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+// This thread's coordinates, and the launch's shape (one launch runs at a time).
+extern thread_local dim3 threadIdx;
+extern thread_local dim3 blockIdx;
+extern dim3 blockDim;
+extern dim3 gridDim;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define emu_asm(...) ((void)0)
+
+namespace emu {
+// The current block's barrier and its warps' barriers and exchange slots.
+struct Block {
+    std::barrier<>* block;
+    std::barrier<>* warps;  // one per warp
+    uint64_t* slots;        // 32 per warp
+};
+extern thread_local Block cur;
+}  // namespace emu
+
+inline void __syncthreads() { emu::cur.block->arrive_and_wait(); }
+
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+    static_assert(sizeof(T) <= 8, "emulated shuffle of more than 8 bytes");
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint64_t* s = emu::cur.slots + 32 * warp;
+    std::barrier<>& b = emu::cur.warps[warp];
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    s[lane] = bits;
+    b.arrive_and_wait();
+    const uint64_t other = s[lane ^ (unsigned)lane_mask];
+    b.arrive_and_wait();
+    T out;
+    std::memcpy(&out, &other, sizeof(T));
+    return out;
+}
+
+template <typename T> inline T __ldg(const T* p) { return *p; }
+
+inline float __int_as_float(int v) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    return f;
+}
+inline float __uint_as_float(unsigned v) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+
+// The vector types kernels.cu loads through (16-byte aligned, as CUDA's).
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
