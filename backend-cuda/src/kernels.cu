@@ -33,8 +33,20 @@ typedef unsigned long long u64;
     } while (0)
 #endif
 
-// Ask for the 128-byte line at p to be brought into L2 (a hint; immutable data only).
+// Ask for the 128-byte line at p to be brought into L2 (a hint; immutable data only). Nothing in
+// the CPU emulation of the tests (SPARK_CUDA_EMU, backend-cuda/tests/emu).
+#ifndef SPARK_CUDA_EMU
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#else
+__device__ __forceinline__ void prefetch_l2(const void*) {}
+#endif
+
+// The block's dynamic shared memory as `float name[]` (one global array in the CPU emulation).
+#ifndef SPARK_CUDA_EMU
+#define DYN_SHARED(name) extern __shared__ float name[]
+#else
+#define DYN_SHARED(name) float* name = emu_dyn_shared()
+#endif
 
 __device__ __forceinline__ float bf16_to_f32(bf16_t b) { return __uint_as_float(((u32)b) << 16); }
 
@@ -725,7 +737,7 @@ __device__ __forceinline__ void split_stats(float m, float l, float* out) {
 extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
     PDL_ENTER();
     ATTN_INIT
-    extern __shared__ float sh[];
+    DYN_SHARED(sh);
     const u32 qh = blockIdx.x, split = blockIdx.y;
     const u32 i = qh / n_heads, h = qh % n_heads, kvh = h / (n_heads / n_kv_heads);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -742,7 +754,7 @@ extern "C" __global__ void attn_stats(ATTN_PARAMS, float* stats) {
 extern "C" __global__ void attn_accum(ATTN_PARAMS, const float* stats, float* partial) {
     PDL_ENTER();
     ATTN_INIT
-    extern __shared__ float sh[];
+    DYN_SHARED(sh);
     const u32 qh = blockIdx.x, split = blockIdx.y;
     const u32 i = qh / n_heads, h = qh % n_heads, kvh = h / (n_heads / n_kv_heads);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -866,7 +878,7 @@ template <int DPL> __device__ void attn_scores_impl(const Attn& A, u32 max_keys,
 
 template <int DPL> __device__ void attn_pv_impl(const Attn& A, u32 max_keys, const float* scores, const float* stats,
                                               float* partial) {
-    extern __shared__ float sh[];  // [nw, head_dim]
+    DYN_SHARED(sh);  // [nw, head_dim]
     const u32 qh = blockIdx.x, split = blockIdx.y;
     const u32 i = qh / A.n_heads, h = qh % A.n_heads, kvh = h / (A.n_heads / A.n_kv_heads);
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -6,6 +6,10 @@
 //! is what NVRTC makes of kernels.cu (where libnvrtc is found). The golden checks are the
 //! spark-tests library's, shared with the cpu and wgpu suites.
 //!
+//! On machines without a GPU, CI also runs these tests on the CPU stand-in for the driver and
+//! cuBLAS that `scripts/cuda-emu.sh` builds (docs/CUDA.md): the device is then "spark CUDA
+//! emulation (CPU)".
+//!
 //! The golden data is found under `$SPARK_REPO_DIR` (set by scripts/gpu-check.sh, which runs
 //! these executables away from the source tree), else the repository this was built from.
 
@@ -183,7 +187,8 @@ fn experimental_matches_default(fuse: bool, pdl: bool) {
         let a = decode_batch(&mut fast, seqs, 40);
         eprintln!("fuse {fuse}, pdl {pdl}: {seqs} sequence(s) decoded");
         let b = decode_batch(&mut plain, seqs, 40);
-        assert_eq!(max_abs_diff(&a, &b), 0.0, "{seqs} sequence(s): fuse {fuse}, pdl {pdl} differ from the default");
+        let d = max_abs_diff(&a, &b);
+        assert_eq!(d, 0.0, "{seqs} sequence(s): fuse {fuse}, pdl {pdl} differ from the default (max |diff| {d})");
     }
 }
 
@@ -191,7 +196,10 @@ fn experimental_matches_default(fuse: bool, pdl: bool) {
 // with the fused kernels, PDL on or off. The cause found afterwards: with the head gate fused, the
 // pending decode attention was recorded from inside a cuBLAS GEMM's set-up (a 23-token prefill)
 // that held the scratch lock, which recording takes again (a self-deadlock; fixed, the lock is
-// released before any launch). scripts/gpu-check.sh runs these with timeouts.
+// released before any launch). scripts/gpu-check.sh runs these with timeouts. On the CPU stand-in
+// for the driver (scripts/cuda-emu.sh) the four sequences decode to the end with the fused
+// kernels, and differ from the default only through the fused RMSNorm's summation order
+// (docs/CUDA.md): bit equality holds for the other fusions, not for that one.
 #[test]
 #[ignore = "experimental: hung on an H200 before the scratch-lock fix; not yet rerun on a GPU"]
 fn fused_kernels_match_default() {

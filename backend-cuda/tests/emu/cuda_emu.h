@@ -3,20 +3,22 @@
 // kernels.cu with g++ against this header).
 //
 // What it models: a launch runs the grid's blocks one after another; each block's threads are
-// real OS threads, so `__syncthreads` is a barrier over the block's threads and
-// `__shfl_xor_sync` an exchange through a barrier over the warp's 32 threads; threads that return
-// early leave both barriers, as exited threads do on the GPU. `__shared__` variables are
+// fibers on the launching thread (x86-64 only: launch.cpp switches stacks in assembly), switched only at barriers: `__syncthreads` is a
+// barrier over the block's threads and `__shfl_xor_sync` an exchange through a barrier over the
+// warp's threads; threads that return early leave both barriers, as exited threads do on the
+// GPU. A barrier that can never complete (some threads wait at one barrier while the others have
+// exited or wait at another) fails the launch. `__shared__` variables are
 // function-local statics (one block runs at a time), and dynamic shared memory is one global
-// array (`sh`, the only name kernels.cu gives it).
+// array (kernels.cu's DYN_SHARED takes it from `emu_dyn_shared` when SPARK_CUDA_EMU is defined).
 //
 // What it does not model: the GPU's memory model and timing (races that a barrier does not
 // order may behave differently), its math library (`expf`, `erff` here are glibc's, which may
-// differ from CUDA's by an ulp or two), or inline PTX (`asm` statements become no-ops: kernels.cu
-// uses them only for hints and for sm_90 launch dependencies).
+// differ from CUDA's by an ulp or two), or inline PTX (kernels.cu has none under SPARK_CUDA_EMU:
+// its L2 prefetch hint becomes a no-op, and its sm_90 launch dependencies are compiled only for
+// sm_90 devices).
 
 #pragma once
 
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,9 +28,9 @@ struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
 
-// This thread's coordinates, and the launch's shape (one launch runs at a time).
-extern thread_local dim3 threadIdx;
-extern thread_local dim3 blockIdx;
+// The running fiber's coordinates, and the launch's shape (one launch runs at a time).
+extern dim3 threadIdx;
+extern dim3 blockIdx;
 extern dim3 blockDim;
 extern dim3 gridDim;
 
@@ -36,31 +38,31 @@ extern dim3 gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define emu_asm(...) ((void)0)
+
+// The current block's dynamic shared memory.
+float* emu_dyn_shared();
 
 namespace emu {
-// The current block's barrier and its warps' barriers and exchange slots.
-struct Block {
-    std::barrier<>* block;
-    std::barrier<>* warps;  // one per warp
-    uint64_t* slots;        // 32 per warp
-};
-extern thread_local Block cur;
+// Barriers of the fiber scheduler (launch.cpp): over the block's live threads, and over the live
+// threads of the caller's warp.
+void block_barrier();
+void warp_barrier();
+// The caller's warp's exchange slots (32).
+uint64_t* warp_slots();
 }  // namespace emu
 
-inline void __syncthreads() { emu::cur.block->arrive_and_wait(); }
+inline void __syncthreads() { emu::block_barrier(); }
 
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     static_assert(sizeof(T) <= 8, "emulated shuffle of more than 8 bytes");
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint64_t* s = emu::cur.slots + 32 * warp;
-    std::barrier<>& b = emu::cur.warps[warp];
+    const unsigned lane = threadIdx.x & 31;
+    uint64_t* s = emu::warp_slots();
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
     s[lane] = bits;
-    b.arrive_and_wait();
+    emu::warp_barrier();
     const uint64_t other = s[lane ^ (unsigned)lane_mask];
-    b.arrive_and_wait();
+    emu::warp_barrier();
     T out;
     std::memcpy(&out, &other, sizeof(T));
     return out;
