@@ -1,7 +1,10 @@
-// The launcher of the CPU emulation (see cuda_emu.h): compiled after kernels.cu into one shared
-// library, which tests/kernels_emulated.rs loads. `spark_emu_launch` runs a kernel by name with
-// its arguments passed as 64-bit slots, as backend-cuda's launch code passes them (a value in the
-// low bytes of its slot, a pointer whole; device pointers are host pointers here).
+// The launcher of the CPU emulation (see cuda_emu.h): compiled after kernels.cu
+// (kernels_emu.cpp), into the library tests/kernels_emulated.rs loads and into the driver
+// stand-in (driver.cpp). `spark_emu_launch` runs a kernel by name with its arguments passed as
+// 64-bit slots, as backend-cuda's launch code passes them (a value in the low bytes of its slot,
+// a pointer whole; device pointers are host pointers here). The kernel table below must name
+// every kernel of kernels.cu that kernels.rs loads: a missing one fails the driver stand-in's
+// module load, so the emulated GPU tests fail visibly.
 
 #include <functional>
 #include <memory>
