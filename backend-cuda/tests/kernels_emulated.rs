@@ -263,16 +263,7 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
     let scale = 1.0 / (c.d as f32).sqrt();
     let want = reference(c, &qkv, &k, &v, scale);
     // The cache as the kernels hold it.
-    let (kw, vw): (Vec<u32>, Vec<u32>) = if c.bf16_cache {
-        // bf16 bits packed two per u32 word keep the buffer's alignment simple.
-        let pack = |x: &[f32]| -> Vec<u32> {
-            let b = to_bf16_bits(x);
-            b.chunks(2).map(|p| p[0] as u32 | (*p.get(1).unwrap_or(&0) as u32) << 16).collect()
-        };
-        (pack(&k), pack(&v))
-    } else {
-        (k.iter().map(|x| x.to_bits()).collect(), v.iter().map(|x| x.to_bits()).collect())
-    };
+    let (kw, vw) = (cache_words(&k, c.bf16_cache), cache_words(&v, c.bf16_cache));
     let rows_h = c.nq * c.nh;
     let dynv = [c.start as u32, c.start as u32];
     let out_cols = c.nh * c.d;
@@ -340,17 +331,6 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
             c.bf16_cache as u64,
         ],
     );
-    let unpack = |w: &[u32]| -> Vec<f32> {
-        if c.bf16_cache {
-            w.iter()
-                .flat_map(|&x| [x as u16, (x >> 16) as u16])
-                .take(c.slots() * c.kvd())
-                .map(|b| half::bf16::from_bits(b).to_f32())
-                .collect()
-        } else {
-            w.iter().map(|&x| f32::from_bits(x)).collect()
-        }
-    };
     let got = out[c.row0 * out_cols..].to_vec();
     // The caches as they must be after the append: the chunk's K/V at their slots.
     let (mut k_after, mut v_after) = (k, v);
@@ -363,8 +343,8 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
             v_after[at + e] = if c.bf16_cache { bf16_round(vx) } else { vx };
         }
     }
-    assert_eq!(unpack(&kw), k_after, "K cache after attn_reduce's append");
-    assert_eq!(unpack(&vw), v_after, "V cache after attn_reduce's append");
+    assert_eq!(cache_values(&kw, c.bf16_cache, k_after.len()), k_after, "K cache after attn_reduce's append");
+    assert_eq!(cache_values(&vw, c.bf16_cache, v_after.len()), v_after, "V cache after attn_reduce's append");
     (got, want, k_after, v_after)
 }
 
@@ -426,6 +406,19 @@ fn cache_words(v: &[f32], bf16: bool) -> Vec<u32> {
         b.chunks(2).map(|p| p[0] as u32 | (*p.get(1).unwrap_or(&0) as u32) << 16).collect()
     } else {
         v.iter().map(|x| x.to_bits()).collect()
+    }
+}
+
+/// The first `n` cache values of words as [`cache_words`] packs them.
+fn cache_values(w: &[u32], bf16: bool, n: usize) -> Vec<f32> {
+    if bf16 {
+        w.iter()
+            .flat_map(|&x| [x as u16, (x >> 16) as u16])
+            .take(n)
+            .map(|b| half::bf16::from_bits(b).to_f32())
+            .collect()
+    } else {
+        w.iter().take(n).map(|&x| f32::from_bits(x)).collect()
     }
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <unordered_map>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -56,6 +57,8 @@ CUresult issue(void* s, std::function<CUresult()> op) {
 
 const size_t MEM_TOTAL = 16ull << 30;
 size_t mem_used = 0;
+// Bytes of each live device allocation (under driver_lock), so that a free gives them back.
+std::unordered_map<CUdeviceptr, size_t> mem_sizes;
 
 void* alloc_bytes(size_t bytes) {
     const size_t n = (bytes + 255) / 256 * 256;
@@ -191,12 +194,20 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     {
         std::lock_guard<std::mutex> g(driver_lock);
         mem_used += bytes;
+        mem_sizes[(CUdeviceptr)m] = bytes;
     }
     *p = (CUdeviceptr)m;
     return CUDA_SUCCESS;
 }
 CUresult cuMemAllocAsync(CUdeviceptr* p, size_t bytes, void*) { return cuMemAlloc_v2(p, bytes); }
 CUresult cuMemFree_v2(CUdeviceptr p) {
+    {
+        std::lock_guard<std::mutex> g(driver_lock);
+        auto it = mem_sizes.find(p);
+        if (it == mem_sizes.end()) return p ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+        mem_used -= it->second;
+        mem_sizes.erase(it);
+    }
     std::free((void*)p);
     return CUDA_SUCCESS;
 }
