@@ -10,7 +10,8 @@
 #                                      and lscpu; generate a random 1.7B-shape bf16 checkpoint;
 #                                      run the CUDA tests (m8 golden parity; CUDA vs CPU on the
 #                                      1.7B shape); bench the cuda backend (pp2048 and tg128 at
-#                                      batch 1, tg128 at batch 16) and profile it per kernel
+#                                      batch 1, tg128 at batch 16, pp2048 in steps of 512 with
+#                                      and without attn_flash, pp8192) and profile it per kernel
 #                                      (SPARK_CUDA_PROFILE=1); bench the wgpu backend through
 #                                      Vulkan (SKIP_WGPU=1 skips); the PyTorch peer
 #                                      (scripts/torch-peer.py, SKIP_TORCH=1 skips); run the CPU kernel tests on
@@ -143,15 +144,24 @@ run)
 
   # Benches: one JSON line per test in $out/bench.jsonl, each tagged with its variant (one knob
   # changed against the default of the same run).
-  bench() {  # bench VARIANT BATCH PROMPT ENV...
-    local name=$1 b=$2 p=$3
+  bench() {  # bench VARIANT BATCH PROMPT [ENV...] [-- BENCH ARGS...]; BENCH_CTX (4096) the context
+    local name=$1 b=$2 p=$3 envs=() args=()
     shift 3
-    step "bench cuda 1.7B bf16: $([ "$p" != 0 ] && echo "pp$p ")tg128, batch $b, $name $*"
-    env "$@" timeout 120 "$spark" --backend cuda bench --model "$ckpt" -p "$p" -n 128 -r 3 --ctx-size 4096 --batch "$b" \
-      --json | sed "s/^{/{\"variant\":\"$name\",/" | tee -a "$out/bench.jsonl"
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done
+    [ "${1:-}" = -- ] && shift && args=("$@")
+    step "bench cuda 1.7B bf16: $([ "$p" != 0 ] && echo "pp$p ")tg128, batch $b, $name ${envs[*]} ${args[*]}"
+    env "${envs[@]}" timeout 120 "$spark" --backend cuda bench --model "$ckpt" -p "$p" -n 128 -r 3 \
+      --ctx-size "${BENCH_CTX:-4096}" --batch "$b" "${args[@]}" --json | sed "s/^{/{\"variant\":\"$name\",/" \
+      | tee -a "$out/bench.jsonl"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   }
   bench default 1 2048
+  # Prefill in steps of 512 tokens (llama.cpp's default ubatch): the chunks after the first take
+  # attn_flash, or with SPARK_CUDA_NO_FLASH=1 the split-K kernels; and an 8192-token prompt in
+  # one step (past the dense path's 256 MiB of scores: attn_flash from position 0).
+  bench ub512 1 2048 -- --ubatch 512
+  bench ub512-noflash 1 2048 SPARK_CUDA_NO_FLASH=1 -- --ubatch 512
+  BENCH_CTX=8448 bench pp8192 1 8192
   for b in 4 8 16; do bench default $b 0; done
   bench pinned 1 0 SPARK_CUDA_PINNED_READ=1
   bench pinned 16 0 SPARK_CUDA_PINNED_READ=1
@@ -168,6 +178,8 @@ run)
   # GPU time per kernel (CUDA events around each launch; no graphs then): prefill, then decode.
   step "profile cuda: pp2048 (SPARK_CUDA_PROFILE=1)"
   SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 2048 -n 0 -r 1 --ctx-size 4096
+  step "profile cuda: pp2048 in steps of 512 (SPARK_CUDA_PROFILE=1)"
+  SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 2048 --ubatch 512 -n 0 -r 1 --ctx-size 4096
   step "profile cuda: tg128 batch 1 (SPARK_CUDA_PROFILE=1)"
   SPARK_CUDA_PROFILE=1 timeout 60 "$spark" --backend cuda bench --model "$ckpt" -p 0 -n 128 -r 1 --ctx-size 4096
   step "profile cuda: tg128 batch 16 (SPARK_CUDA_PROFILE=1)"

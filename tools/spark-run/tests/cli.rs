@@ -393,6 +393,23 @@ fn quantize_writes_checkpoints_close_to_the_reference() {
     assert!(String::from_utf8_lossy(&st.stderr).contains("already holds a checkpoint"));
 }
 
+/// `bench --ubatch N` prefills in steps of N tokens and says so.
+#[test]
+fn bench_prefills_in_ubatches() {
+    let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
+    let st = spark()
+        .args(["bench", "--model"])
+        .arg(&ckpt)
+        .args(["-p", "12", "-n", "0", "-r", "1", "-t", "1", "--ubatch", "5", "--json"])
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let o: serde_json::Value = serde_json::from_str(String::from_utf8_lossy(&st.stdout).trim()).unwrap();
+    assert_eq!(o["test"], "pp12");
+    assert_eq!(o["ubatch"], 5);
+    assert!(o["tok_s_mean"].as_f64().unwrap() > 0.0);
+}
+
 /// `bench --json` prints one object per test with the documented fields.
 #[test]
 fn bench_json_has_the_documented_fields() {

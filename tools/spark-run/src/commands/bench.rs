@@ -28,6 +28,10 @@ pub struct BenchArgs {
     /// Prompt length of the prefill test (0 = skip).
     #[arg(short = 'p', long, default_value_t = 512)]
     pub prompt: usize,
+    /// Prefill the prompt in steps of at most this many tokens, each after the cached ones (0: the
+    /// whole prompt in one step). llama-bench's n_ubatch (512 by default there).
+    #[arg(long, default_value_t = 0)]
+    pub ubatch: usize,
     /// Tokens of the decode test (0 = skip).
     #[arg(short = 'n', long, default_value_t = 128)]
     pub n_gen: usize,
@@ -325,10 +329,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let ids: Vec<u32> = (0..a.prompt).map(|_| tok()).collect();
             seq += 1;
             let t = Instant::now();
-            l.exec.forward(
-                &[SeqStep { seq_id: seq, tokens: &ids, start_pos: 0, logits: LogitsMode::Last }],
-                &mut logits,
-            )?;
+            let step = if a.ubatch == 0 { ids.len() } else { a.ubatch };
+            for (c, part) in ids.chunks(step).enumerate() {
+                let start_pos = u32::try_from(c * step)?;
+                l.exec.forward(
+                    &[SeqStep { seq_id: seq, tokens: part, start_pos, logits: LogitsMode::Last }],
+                    &mut logits,
+                )?;
+            }
             if rep >= a.warmup {
                 v.push(a.prompt as f64 / t.elapsed().as_secs_f64());
             }
@@ -431,6 +439,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "precision": precision, "dtype": info.dtype.name(), "threads": l.threads, "test": r.test,
                 "batch": r.batch, "tok_s_mean": r.mean, "tok_s_sd": r.sd, "reps": a.reps,
                 "bytes_per_token": r.bytes_per_token, "roofline_pct": r.roofline_pct,
+                "ubatch": (r.test.starts_with("pp") && a.ubatch > 0).then_some(a.ubatch),
                 "read_bw_gb_s": (bw > 0.0).then_some(bw / 1e9), "load_s": l.load_time.as_secs_f64(),
                 "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0))});
             if let Some((s, ag, n)) = snr {
@@ -447,6 +456,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 r.bytes_per_token.map(|b| format!("{:.1}", b * r.mean / r.batch as f64 / 1e9)).unwrap_or("-".into());
             let pct = r.roofline_pct.map(|p| format!("{p:.0}%")).unwrap_or("-".into());
             let test = if r.batch > 1 { format!("{} x{}", r.test, r.batch) } else { r.test.clone() };
+            let test =
+                if r.test.starts_with("pp") && a.ubatch > 0 { format!("{test} (ub {})", a.ubatch) } else { test };
             println!(
                 "| {model_name} | {} ({}) | {precision} | {} | {test} | {:.2} ± {:.2} | {bw_s} | {pct} |",
                 info.backend, l.simd, l.threads, r.mean, r.sd
