@@ -68,6 +68,8 @@ pub struct DeviceFacts {
     /// Compute capability (major, minor).
     pub cc: (i32, i32),
     pub sms: i32,
+    /// Bytes of dynamic shared memory a block may take once a kernel opts in.
+    pub shared_optin: i32,
     pub mem_total: u64,
     pub mem_free: u64,
 }
@@ -102,7 +104,10 @@ pub fn open_context(ordinal: usize) -> Result<(Arc<CudaContext>, DeviceFacts)> {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", e))?;
+        let shared_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| err("shared memory per block", e))?;
         let (free, total) = ctx.mem_get_info().map_err(|e| err("memory info", e))?;
-        Ok((ctx, DeviceFacts { ordinal, name, cc, sms, mem_total: total as u64, mem_free: free as u64 }))
+        Ok((ctx, DeviceFacts { ordinal, name, cc, sms, shared_optin, mem_total: total as u64, mem_free: free as u64 }))
     })
 }

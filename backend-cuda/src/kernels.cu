@@ -117,6 +117,28 @@ extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* ids, float
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) dst[j] = bf16_to_f32(src[j]);
 }
 
+// Every norm kernel sums a row's squares with one partition and order, so that they agree bit
+// for bit (the fused and the separate kernels are compared for equality): where cols % 4 == 0,
+// thread t takes the groups of four values at 4 (t + k blockDim.x) for k = 0, 1, ..., each
+// group in order; else the values t + k blockDim.x. Then block_sum. `row_at(j)` is value j.
+template <typename F> __device__ __forceinline__ float row_sumsq(u32 cols, F row_at) {
+    float ss = 0.0f;
+    if (cols % 4 == 0) {
+        for (u32 i = threadIdx.x; i < (cols >> 2); i += blockDim.x)
+#pragma unroll
+            for (u32 c = 0; c < 4; ++c) {
+                const float v = row_at(4 * i + c);
+                ss += v * v;
+            }
+    } else {
+        for (u32 j = threadIdx.x; j < cols; j += blockDim.x) {
+            const float v = row_at(j);
+            ss += v * v;
+        }
+    }
+    return block_sum(ss);
+}
+
 // The vectorized norm (rms_norm_vec, add_rms_norm_vec): out = rnd(w * (x * (1 / sqrt(mean(x^2) +
 // eps)))), as ops::rms_norm; with `add`, first
 // x = in + add, written back to h (the residual add fused with the next norm: the same sums as
@@ -159,7 +181,7 @@ __device__ void norm_row_vec(const float* in, const float* add, float* h, const 
             ss += a[v].w * a[v].w;
         }
     }
-    ss = block_sum(ss) / (float)cols;
+    ss = block_sum(ss) / (float)cols;  // the order of row_sumsq
     const float r = 1.0f / sqrtf(ss + eps);
 #pragma unroll
     for (int v = 0; v < V; ++v) {
@@ -180,16 +202,10 @@ __device__ void norm_row_any(const float* in, const float* add, float* h, const 
                              float eps, int mode) {
     PDL_ENTER();
     const float* src = add ? h : in;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float v = in[j];
-        if (add) {
-            v += add[j];
-            h[j] = v;
-        }
-        ss += v * v;
-    }
-    ss = block_sum(ss) / (float)cols;
+    if (add)
+        for (u32 j = threadIdx.x; j < cols; j += blockDim.x) h[j] = in[j] + add[j];
+    __syncthreads();
+    const float ss = row_sumsq(cols, [&](u32 j) { return src[j]; }) / (float)cols;
     const float r = 1.0f / sqrtf(ss + eps);
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) out[j] = rnd(w[j] * (src[j] * r), mode);
 }
@@ -221,28 +237,23 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
     PDL_ENTER();
     const float* xr = x + (u64)blockIdx.x * cols;
     float* orow = out + (u64)blockIdx.x * cols;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) ss += xr[j] * xr[j];
-    ss = block_sum(ss) / (float)cols;
+    const float ss = row_sumsq(cols, [&](u32 j) { return xr[j]; }) / (float)cols;
     const float r = 1.0f / sqrtf(ss + eps);
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) orow[j] = rnd(w[j] * (xr[j] * r), mode);
 }
 
-// h += x, then out = rms_norm(h) as above (the residual add fused with the next norm; the same
-// sums in the same order as add_inplace then rms_norm).
+// h += x, then out = rms_norm(h) as above (the residual add fused with the next norm: the same
+// sums as add_inplace then rms_norm). A thread reads back only the h values it wrote or, after
+// the barrier, any.
 extern "C" __global__ void add_rms_norm(float* h, const float* x, const float* w, float* out, u32 cols, float eps,
                                         int mode) {
     PDL_ENTER();
     float* hr = h + (u64)blockIdx.x * cols;
     const float* xr = x + (u64)blockIdx.x * cols;
     float* orow = out + (u64)blockIdx.x * cols;
-    float ss = 0.0f;
-    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) {
-        const float v = hr[j] + xr[j];
-        hr[j] = v;
-        ss += v * v;
-    }
-    ss = block_sum(ss) / (float)cols;
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) hr[j] = hr[j] + xr[j];
+    __syncthreads();
+    const float ss = row_sumsq(cols, [&](u32 j) { return hr[j]; }) / (float)cols;
     const float r = 1.0f / sqrtf(ss + eps);
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) orow[j] = rnd(w[j] * (hr[j] * r), mode);
 }
@@ -597,10 +608,29 @@ extern "C" __global__ void gemv_qkv_rope(const float* x, const bf16_t* w1, float
 }
 
 // ---------------------------------------------------------------------------------------------
+// KV cache layout. A sliding layer's cache is a ring of `ring` rows (position p in row p % ring)
+// at `base`. A full layer's (ring = 0) is paged: `base` is a table of page addresses, position p
+// in row p % KV_PAGE of page p / KV_PAGE. A row is one position's K (or V): kv heads x head_dim
+// elements of row_bytes bytes in all. Pages are allocated as a sequence grows and never move.
+
+#define KV_PAGE 64
+
+__device__ __forceinline__ char* kv_row(const void* base, u32 ring, u32 pos, u32 row_bytes) {
+    if (ring) return (char*)base + (u64)(pos % ring) * row_bytes;
+    const u64 page = ((const u64*)base)[pos / KV_PAGE];
+    return (char*)page + (u64)(pos % KV_PAGE) * row_bytes;
+}
+
+// Element e of a cache row, written from f32.
+__device__ __forceinline__ void kv_store(char* row, u32 e, float x, int kv_bf16) {
+    if (kv_bf16) ((bf16_t*)row)[e] = f32_to_bf16(x);
+    else ((float*)row)[e] = x;
+}
+
 // KV cache append: positions first..end of a chunk (rows row0 + pos - start of the fused QKV
-// activations) into the cache, slot = pos % ring for a ring (ring > 0), else pos. start and first
-// are read from device memory (dyn[0], dyn[1]) so that a decode step's launch is the same at
-// every position (a CUDA graph replays it). grid.x = end - first, threads over kvd.
+// activations) into the cache (the layout above). start and first are read from device memory
+// (dyn[0], dyn[1]) so that a decode step's launch is the same at every position (a CUDA graph
+// replays it). grid.x = end - first, threads over kvd.
 
 extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 qkv_cols, u32 row0, const u32* dyn,
                                      u32 qd, u32 kvd, u32 ring, int kv_bf16) {
@@ -608,16 +638,12 @@ extern "C" __global__ void kv_append(const float* qkv, void* kc, void* vc, u32 q
     const u32 start = dyn[0], first = dyn[1];
     const u32 pos = first + blockIdx.x;
     const float* src = qkv + (u64)(row0 + pos - start) * qkv_cols + qd;
-    const u64 slot = ring ? (u64)(pos % ring) : (u64)pos;
+    const u32 rb = kvd * (kv_bf16 ? 2 : 4);
+    char* kr = kv_row(kc, ring, pos, rb);
+    char* vr = kv_row(vc, ring, pos, rb);
     for (u32 e = threadIdx.x; e < kvd; e += blockDim.x) {
-        const float kx = src[e], vx = src[kvd + e];
-        if (kv_bf16) {
-            ((bf16_t*)kc)[slot * kvd + e] = f32_to_bf16(kx);
-            ((bf16_t*)vc)[slot * kvd + e] = f32_to_bf16(vx);
-        } else {
-            ((float*)kc)[slot * kvd + e] = kx;
-            ((float*)vc)[slot * kvd + e] = vx;
-        }
+        kv_store(kr, e, src[e], kv_bf16);
+        kv_store(vr, e, src[kvd + e], kv_bf16);
     }
 }
 
@@ -659,10 +685,9 @@ __device__ __forceinline__ float kv_elem(const Attn& A, u32 pos, u32 kvh, u32 d,
         const float* r = A.qkv + (u64)(A.row0 + pos - A.start) * A.qkv_cols + A.n_heads * A.head_dim;
         return r[which * kvd + kvh * A.head_dim + d];
     }
-    const u64 slot = A.ring ? (u64)(pos % A.ring) : (u64)pos;
-    const u64 off = slot * kvd + kvh * A.head_dim + d;
-    const void* base = which ? A.vc : A.kc;
-    return A.kv_bf16 ? bf16_to_f32(((const bf16_t*)base)[off]) : ((const float*)base)[off];
+    const char* row = kv_row(which ? A.vc : A.kc, A.ring, pos, kvd * (A.kv_bf16 ? 2 : 4));
+    const u32 off = kvh * A.head_dim + d;
+    return A.kv_bf16 ? bf16_to_f32(((const bf16_t*)row)[off]) : ((const float*)row)[off];
 }
 
 // Score of the query in shared memory q against the key at pos (all lanes of the warp get it).
@@ -837,11 +862,10 @@ template <int DPL> __device__ __forceinline__ void kv_vec(const Attn& A, u32 pos
         load_f32<DPL>(r + which * kvd + kvh * A.head_dim + e0, o);
         return;
     }
-    const u64 slot = A.ring ? (u64)(pos % A.ring) : (u64)pos;
-    const u64 off = slot * kvd + kvh * A.head_dim + e0;
-    const void* base = which ? A.vc : A.kc;
-    if (A.kv_bf16) load_bf16<DPL>((const bf16_t*)base + off, o);
-    else load_f32<DPL>((const float*)base + off, o);
+    const char* row = kv_row(which ? A.vc : A.kc, A.ring, pos, kvd * (A.kv_bf16 ? 2 : 4));
+    const u32 off = kvh * A.head_dim + e0;
+    if (A.kv_bf16) load_bf16<DPL>((const bf16_t*)row + off, o);
+    else load_f32<DPL>((const float*)row + off, o);
 }
 
 // The first key query i sees.
@@ -939,6 +963,244 @@ extern "C" __global__ void attn_pv(ATTN_PARAMS, u32 max_keys, const float* score
 }
 
 // ---------------------------------------------------------------------------------------------
+// Flash-style attention of a prefill chunk (at any start: the keys before it come from the
+// cache). The reference's arithmetic, as in attn_stats / attn_accum, but tiled so that a key or
+// value read from memory serves many queries: a block takes FLASH_ROWS query rows of one KV head
+// (row r of that head's n * group rows is chunk query r / group of head kvh * group + r % group,
+// so the group's query heads share every tile) and walks the keys its rows see in tiles of
+// FLASH_KEYS, staged in shared memory as f32, twice. Pass 1 takes each row's max and sum of
+// exp(s - max) (online); pass 2 recomputes the scores, rounds p = rnd(exp(s - max) / sum) as the
+// reference does and accumulates p v in key order. No score leaves the block. With one split
+// (phase 0) each output row is written once, o = rnd(sum p v), and the chunk's KV append runs
+// after it (kv_append: a ring slot the chunk writes may hold a key one of its queries reads).
+// Where the chunk's row blocks are too few to fill the device the keys are split as well, over
+// grid.z (phases 1 and 2, then attn_reduce; see attn_flash).
+// grid = (ceil(n * group / FLASH_ROWS), n_kv_heads, nsplit), blockDim.x = FLASH_THREADS, dynamic
+// shared memory FLASH_SHARED_FLOATS(head_dim) floats; head_dim = 32 * DPL, a power of two from
+// 32 to 512.
+// In the score tiles thread t owns rows 2 (t / 16) + {0, 1} and keys t % 16 + {0, 16}; in the
+// output, warp w owns rows 4w..4w+3 and lane l the dims l + 32 j. Rows and tiles are padded by
+// one float, so neither layout's shared-memory reads collide in a bank.
+
+#define FLASH_ROWS 32
+#define FLASH_KEYS 32
+#define FLASH_THREADS 256
+#define FLASH_SHARED_FLOATS(d) ((FLASH_ROWS + FLASH_KEYS) * ((d) + 1) + FLASH_ROWS * (FLASH_KEYS + 1) + 2 * FLASH_ROWS)
+
+// Merge another (max, sum) into a running one (a sum of 0 means no key).
+__device__ __forceinline__ void softmax_merge(float* m, float* l, float mo, float lo) {
+    if (lo == 0.0f) return;
+    if (*l == 0.0f) {
+        *m = mo;
+        *l = lo;
+        return;
+    }
+    const float M = fmaxf(*m, mo);
+    *l = *l * expf(*m - M) + lo * expf(mo - M);
+    *m = M;
+}
+
+// Keys k0..k0 + FLASH_KEYS of kv head kvh (which = 0: K, 1: V) into ts (row stride ld) as f32,
+// zero past k_hi.
+template <int DPL> __device__ __forceinline__ void flash_tile(const Attn& A, float* ts, u32 k0, u32 k_hi, u32 kvh,
+                                                             int which) {
+    constexpr u32 D = 32 * DPL, LD = D + 1;
+    for (u32 e = threadIdx.x * 8; e < FLASH_KEYS * D; e += FLASH_THREADS * 8) {
+        const u32 kk = e / D, d = e % D, pos = k0 + kk;
+        float v[8];
+        if (pos <= k_hi) {
+            kv_vec<8>(A, pos, kvh, which, d, v);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) v[t] = 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < 8; ++t) ts[kk * LD + d + t] = v[t];
+    }
+}
+
+// This thread's 2 x 2 scores s = rnd(rnd(q . k) * scale) of rows sr, sr + 1 and tile keys sk,
+// sk + 16.
+template <int DPL> __device__ __forceinline__ void flash_scores(const Attn& A, const float* qs, const float* ts, u32 sr,
+                                                                u32 sk, float s[2][2]) {
+    constexpr u32 D = 32 * DPL, LD = D + 1;
+    const float *q0 = qs + sr * LD, *q1 = q0 + LD, *k0 = ts + sk * LD, *k1 = ts + (sk + 16) * LD;
+    float a00 = 0.0f, a01 = 0.0f, a10 = 0.0f, a11 = 0.0f;
+#pragma unroll 8
+    for (u32 d = 0; d < D; ++d) {
+        const float x0 = q0[d], x1 = q1[d], y0 = k0[d], y1 = k1[d];
+        a00 += x0 * y0;
+        a01 += x0 * y1;
+        a10 += x1 * y0;
+        a11 += x1 * y1;
+    }
+    s[0][0] = rnd(rnd(a00, A.mode) * A.scale, A.mode);
+    s[0][1] = rnd(rnd(a01, A.mode) * A.scale, A.mode);
+    s[1][0] = rnd(rnd(a10, A.mode) * A.scale, A.mode);
+    s[1][1] = rnd(rnd(a11, A.mode) * A.scale, A.mode);
+}
+
+template <int DPL>
+__device__ void attn_flash_impl(const Attn& A, u32 n, float* out, u32 out_cols, int phase, float* stats,
+                                float* partial) {
+    constexpr u32 D = 32 * DPL, LD = D + 1, PLD = FLASH_KEYS + 1;
+    DYN_SHARED(sh);
+    float* qs = sh;                    // [FLASH_ROWS][LD]
+    float* ts = qs + FLASH_ROWS * LD;  // [FLASH_KEYS][LD]: a K tile, then a V tile
+    float* ps = ts + FLASH_KEYS * LD;  // [FLASH_ROWS][PLD]
+    float* ms = ps + FLASH_ROWS * PLD; // [FLASH_ROWS]: each row's max
+    float* is = ms + FLASH_ROWS;       // [FLASH_ROWS]: 1 / each row's sum (0: a row past the chunk)
+    const u32 group = A.n_heads / A.n_kv_heads, kvh = blockIdx.y, split = blockIdx.z;
+    const u32 rows = n * group, r0 = blockIdx.x * FLASH_ROWS;
+    const u32 t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    for (u32 e = t * 8; e < FLASH_ROWS * D; e += FLASH_THREADS * 8) {
+        const u32 r = e / D, d = e % D, fr = r0 + r;
+        float v[8];
+        if (fr < rows) {
+            const u32 i = fr / group, h = kvh * group + fr % group;
+            load_f32<8>(A.qkv + (u64)(A.row0 + i) * A.qkv_cols + h * D + d, v);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) v[k] = 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) qs[r * LD + d + k] = v[k];
+    }
+    // The keys each of this thread's score rows sees: lo..=hi (none for a row past the chunk).
+    const u32 sr = 2 * (t >> 4), sk = t & 15;
+    u32 lo[2], hi[2];
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+        const u32 fr = r0 + sr + a;
+        lo[a] = fr < rows ? attn_lo(A, fr / group) : 1;
+        hi[a] = fr < rows ? A.start + fr / group : 0;
+    }
+    // The block's keys, from its first row's lo to its last row's position, in tiles; this
+    // split's share of the tiles is t0..t1.
+    const u32 last = (r0 + FLASH_ROWS < rows ? r0 + FLASH_ROWS : rows) - 1;
+    const u32 k_lo = attn_lo(A, r0 / group), k_hi = A.start + last / group;
+    const u32 ntiles = (k_hi - k_lo) / FLASH_KEYS + 1, per = (ntiles + A.nsplit - 1) / A.nsplit;
+    const u32 t0 = split * per < ntiles ? split * per : ntiles, t1 = t0 + per < ntiles ? t0 + per : ntiles;
+
+    if (phase != 2) {
+        // Pass 1: each row's (max, sum) over the split's keys.
+        float m[2] = {SPARK_NEG_INF, SPARK_NEG_INF}, l[2] = {0.0f, 0.0f};
+        for (u32 tile = t0; tile < t1; ++tile) {
+            const u32 k0 = k_lo + tile * FLASH_KEYS;
+            __syncthreads();  // the tile's last readers (and, the first time, the q writers) are done
+            flash_tile<DPL>(A, ts, k0, k_hi, kvh, 0);
+            __syncthreads();
+            float s[2][2];
+            flash_scores<DPL>(A, qs, ts, sr, sk, s);
+#pragma unroll
+            for (int a = 0; a < 2; ++a)
+#pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    const u32 pos = k0 + sk + 16 * b;
+                    if (pos >= lo[a] && pos <= hi[a]) online_softmax(s[a][b], &m[a], &l[a]);
+                }
+        }
+        // The 16 threads of a row pair are lanes that differ in their low four bits.
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            for (int o = 8; o > 0; o >>= 1) {
+                const float mo = __shfl_xor_sync(0xffffffffu, m[a], o), lo_ = __shfl_xor_sync(0xffffffffu, l[a], o);
+                softmax_merge(&m[a], &l[a], mo, lo_);
+            }
+            const u32 fr = r0 + sr + a;
+            if (sk != 0) continue;
+            if (phase == 1) {
+                if (fr < rows) {
+                    float* st = stats + (((u64)kvh * rows + fr) * A.nsplit + split) * 2;
+                    st[0] = m[a];
+                    st[1] = l[a];
+                }
+            } else {
+                ms[sr + a] = m[a];
+                is[sr + a] = l[a] > 0.0f ? 1.0f / l[a] : 0.0f;
+            }
+        }
+        if (phase == 1) return;
+    } else {
+        // Each row's (max, sum) over all the splits' keys.
+        if (t < FLASH_ROWS) {
+            float m = SPARK_NEG_INF, l = 0.0f;
+            if (r0 + t < rows) {
+                const float* st = stats + ((u64)kvh * rows + r0 + t) * A.nsplit * 2;
+                for (u32 q = 0; q < A.nsplit; ++q) softmax_merge(&m, &l, st[2 * q], st[2 * q + 1]);
+            }
+            ms[t] = m;
+            is[t] = l > 0.0f ? 1.0f / l : 0.0f;
+        }
+    }
+
+    // Pass 2: p = rnd(exp(s - max) / sum), o += p v over the split's keys.
+    float acc[4][DPL];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int j = 0; j < DPL; ++j) acc[a][j] = 0.0f;
+    for (u32 tile = t0; tile < t1; ++tile) {
+        const u32 k0 = k_lo + tile * FLASH_KEYS;
+        __syncthreads();  // the V tile's and ps's last readers (and, the first time, ms/is writers) are done
+        flash_tile<DPL>(A, ts, k0, k_hi, kvh, 0);
+        __syncthreads();
+        float s[2][2];
+        flash_scores<DPL>(A, qs, ts, sr, sk, s);
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const u32 pos = k0 + sk + 16 * b;
+                float p = 0.0f;
+                if (pos >= lo[a] && pos <= hi[a]) p = rnd(expf(s[a][b] - ms[sr + a]) * is[sr + a], A.mode);
+                ps[(sr + a) * PLD + sk + 16 * b] = p;
+            }
+        __syncthreads();  // the K tile's readers are done and ps is written
+        flash_tile<DPL>(A, ts, k0, k_hi, kvh, 1);
+        __syncthreads();
+        for (u32 kk = 0; kk < FLASH_KEYS; ++kk) {
+            float v[DPL];
+#pragma unroll
+            for (int j = 0; j < DPL; ++j) v[j] = ts[kk * LD + lane + 32 * j];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float p = ps[(4 * warp + a) * PLD + kk];
+#pragma unroll
+                for (int j = 0; j < DPL; ++j) acc[a][j] += p * v[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const u32 fr = r0 + 4 * warp + a;
+        if (fr >= rows) continue;
+        const u32 i = fr / group, h = kvh * group + fr % group;
+        if (phase == 0) {
+            float* dst = out + (u64)(A.row0 + i) * out_cols + h * D;
+#pragma unroll
+            for (int j = 0; j < DPL; ++j) dst[lane + 32 * j] = rnd(acc[a][j], A.mode);
+        } else {
+            float* dst = partial + ((u64)(i * A.n_heads + h) * A.nsplit + split) * D;
+#pragma unroll
+            for (int j = 0; j < DPL; ++j) dst[lane + 32 * j] = acc[a][j];
+        }
+    }
+}
+
+// phase 0 (nsplit = 1): the whole attention, out = rnd(sum p v). With the keys split over
+// grid.z = nsplit blocks: phase 1 writes each split's (max, sum) of each row to stats (row r of
+// kv head kvh at ((kvh * n * group + r) * nsplit + split) * 2); phase 2 reads them all and writes
+// each split's unrounded sum p v to partial as attn_accum lays it out, for attn_reduce (which
+// also appends the chunk's K/V).
+extern "C" __global__ void attn_flash(ATTN_PARAMS, u32 n, float* out, u32 out_cols, int phase, float* stats,
+                                      float* partial) {
+    PDL_ENTER();
+    ATTN_INIT
+    ATTN_BY_DPL(attn_flash_impl, A, n, out, out_cols, phase, stats, partial)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dense prefill attention (a chunk that starts a sequence, so every key is the chunk's own): the
 // scores S_h = Q_h K^T and the output O_h = P_h V are cuBLAS GEMMs (exact products, f32
 // accumulation: in bf16 mode q, k, v and p are bf16 values), and this kernel turns a row of S
@@ -999,16 +1261,12 @@ __device__ __forceinline__ void attn_reduce_row(const float* partial, float* out
     if (h % group != 0 || pos < first) return;
     const u32 kvh = h / group, kvd = n_kv_heads * head_dim;
     const float* k = qkv + (u64)(row0 + i) * qkv_cols + n_heads * head_dim + kvh * head_dim;
-    const u64 at = (ring ? (u64)(pos % ring) : (u64)pos) * kvd + kvh * head_dim;
+    const u32 rb = kvd * (kv_bf16 ? 2 : 4), at = kvh * head_dim;
+    char* kr = kv_row(kc, ring, pos, rb);
+    char* vr = kv_row(vc, ring, pos, rb);
     for (u32 e = threadIdx.x; e < head_dim; e += blockDim.x) {
-        const float kx = k[e], vx = k[kvd + e];
-        if (kv_bf16) {
-            ((bf16_t*)kc)[at + e] = f32_to_bf16(kx);
-            ((bf16_t*)vc)[at + e] = f32_to_bf16(vx);
-        } else {
-            ((float*)kc)[at + e] = kx;
-            ((float*)vc)[at + e] = vx;
-        }
+        kv_store(kr, at + e, k[e], kv_bf16);
+        kv_store(vr, at + e, k[kvd + e], kv_bf16);
     }
 }
 
@@ -1024,9 +1282,10 @@ extern "C" __global__ void attn_reduce(const float* partial, float* out, u32 out
 // Batched scored attention: the chunks of several sequences of one step (the same layer, so the
 // same shape) in one launch of each of attn_scores, attn_pv and attn_reduce. blockIdx.z picks a
 // chunk's entry of ATTN_ENTRY words in `table` (staged): row0, start, first, rows_h (query rows x
-// heads), nsplit, keys (score row stride), ring, K and V cache pointers (lo, hi words), and the
-// offsets (in floats) of its stats, partial outputs and scores in the shared scratch. grid.x and
-// grid.y cover the largest rows_h and nsplit; blocks beyond a chunk's return at once.
+// heads), nsplit, keys (score row stride), ring, K and V cache pointers (rings, or page tables
+// where ring = 0; lo, hi words), and the offsets (in floats) of its stats, partial outputs and
+// scores in the shared scratch. grid.x and grid.y cover the largest rows_h and nsplit; blocks
+// beyond a chunk's return at once.
 
 #define ATTN_ENTRY 16
 

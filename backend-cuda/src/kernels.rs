@@ -33,6 +33,18 @@ pub const GEMV_THREADS: u32 = 128;
 pub const ATTN_THREADS: u32 = 128;
 /// Words of one chunk's entry in a batched attention launch (`ATTN_ENTRY` in kernels.cu).
 pub const ATTN_ENTRY: usize = 16;
+/// Threads per block of `attn_flash` (`FLASH_THREADS` in kernels.cu).
+pub const FLASH_THREADS: u32 = 256;
+/// Query rows per block of `attn_flash` (`FLASH_ROWS` in kernels.cu).
+pub const FLASH_ROWS: usize = 32;
+/// Keys per tile of `attn_flash` (`FLASH_KEYS` in kernels.cu).
+pub const FLASH_KEYS: usize = 32;
+
+/// Bytes of dynamic shared memory `attn_flash` takes at `head_dim` (`FLASH_SHARED_FLOATS`).
+pub fn flash_shared_bytes(head_dim: usize) -> usize {
+    4 * ((FLASH_ROWS + FLASH_KEYS) * (head_dim + 1) + FLASH_ROWS * (FLASH_KEYS + 1) + 2 * FLASH_ROWS)
+}
+
 /// Largest head_dim the attention kernels take (`ATTN_MAX_D` in kernels.cu).
 pub const ATTN_MAX_D: usize = 512;
 
@@ -176,6 +188,7 @@ kernels!(
     attn_pv_batch,
     attn_reduce_batch,
     attn_softmax,
+    attn_flash,
 );
 
 /// A launch shape.

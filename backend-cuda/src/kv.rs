@@ -1,9 +1,12 @@
-//! One layer's K/V cache for one sequence, in device memory.
+//! One layer's K/V cache for one sequence, in device memory, in the layout kernels.cu reads
+//! (`kv_row`).
 //!
-//! K and V are each `[slots, kv_heads * head_dim]` of the cache dtype (f32, or bf16 stored as
-//! u16): a ring of `window` slots for sliding layers (position `p` in slot `p % window`),
-//! allocated whole at the start; for full layers a buffer that grows in blocks of 256 positions
-//! (capped at the served context), so the bytes held stay within one block of what is used.
+//! K and V rows are `kv_heads * head_dim` elements of the cache dtype (f32, or bf16 stored as
+//! u16). A sliding layer keeps a ring of `window` rows (position `p` in row `p % window`),
+//! allocated whole at the start. A full layer's cache is paged: pages of [`KV_PAGE`] rows are
+//! allocated as the sequence grows (capped at the served context) and never move, and a device
+//! table of page addresses (one for K, one for V, sized for the context) is what the kernels get.
+//! So growing copies nothing, and the bytes held stay within one page of what is used.
 
 use std::sync::Arc;
 
@@ -13,13 +16,23 @@ use spark_core::{DType, Error, ErrorKind, Result};
 
 use crate::device::err;
 
-/// Positions a growing cache adds at a time.
-pub const GROW_BLOCK: usize = 256;
+/// Positions per page of a full layer's cache (`KV_PAGE` in kernels.cu).
+pub const KV_PAGE: usize = 64;
 
-/// A device buffer of K and V.
+/// A ring's K and V buffers.
 pub struct KvBufs {
     pub k: CudaSlice<u8>,
     pub v: CudaSlice<u8>,
+}
+
+/// A full layer's pages and their address tables.
+pub struct KvPages {
+    /// K and V pages, in position order.
+    pub k: Vec<CudaSlice<u8>>,
+    pub v: Vec<CudaSlice<u8>>,
+    /// Device tables of the pages' addresses (entries past the last page are 0).
+    pub k_table: CudaSlice<u64>,
+    pub v_table: CudaSlice<u64>,
 }
 
 /// One layer's K/V for one sequence.
@@ -27,14 +40,12 @@ pub struct CudaKv {
     pub spec: KvSpec,
     /// Positions seen so far (not all of them held, for a ring).
     pub len: usize,
-    /// Slots allocated.
+    /// Positions the allocated rows hold (a ring's window; a paged cache's pages x KV_PAGE).
     pub slots: usize,
+    /// A ring's buffers.
     pub bufs: Option<KvBufs>,
-}
-
-/// Bytes of one element of the cache dtype (f32 or bf16; f16 is refused at allocation).
-fn elem(dtype: DType) -> usize {
-    dtype.size()
+    /// A paged cache's pages (allocated on first use).
+    pub pages: Option<KvPages>,
 }
 
 fn alloc(stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>> {
@@ -44,7 +55,7 @@ fn alloc(stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>> {
 }
 
 impl CudaKv {
-    /// An empty cache (a ring is allocated whole, a growing cache on first use).
+    /// An empty cache (a ring is allocated whole, a paged cache's pages on use).
     pub fn new(stream: &Arc<CudaStream>, spec: KvSpec) -> Result<CudaKv> {
         if !matches!(spec.dtype, DType::F32 | DType::BF16) {
             return Err(Error::unsupported(format!(
@@ -52,7 +63,7 @@ impl CudaKv {
                 spec.dtype
             )));
         }
-        let mut kv = CudaKv { spec, len: 0, slots: 0, bufs: None };
+        let mut kv = CudaKv { spec, len: 0, slots: 0, bufs: None, pages: None };
         if let KvKind::Ring { window } = spec.kind {
             let bytes = window * kv.row_bytes();
             kv.bufs = Some(KvBufs { k: alloc(stream, bytes)?, v: alloc(stream, bytes)? });
@@ -63,14 +74,14 @@ impl CudaKv {
 
     /// Bytes of one position's K (or V).
     pub fn row_bytes(&self) -> usize {
-        self.spec.kv_heads * self.spec.head_dim * elem(self.spec.dtype)
+        self.spec.kv_heads * self.spec.head_dim * self.spec.dtype.size()
     }
 
     pub fn is_bf16(&self) -> bool {
         self.spec.dtype == DType::BF16
     }
 
-    /// Slots of the ring (0 for a growing cache, where the slot is the position).
+    /// Rows of the ring, or 0 for a paged cache (the kernels' `ring` argument).
     pub fn ring(&self) -> usize {
         match self.spec.kind {
             KvKind::Ring { window } => window,
@@ -78,7 +89,7 @@ impl CudaKv {
         }
     }
 
-    /// Make room for positions up to `end` (a growing cache reallocates and copies).
+    /// Make room for positions up to `end` (a paged cache adds pages and their table entries).
     pub fn reserve(&mut self, stream: &Arc<CudaStream>, end: usize) -> Result<()> {
         let KvKind::Grow { max } = self.spec.kind else { return Ok(()) };
         if end > max {
@@ -87,26 +98,41 @@ impl CudaKv {
         if end <= self.slots {
             return Ok(());
         }
-        let want = end.div_ceil(GROW_BLOCK).saturating_mul(GROW_BLOCK).min(max);
-        let bytes = want * self.row_bytes();
-        let mut k = alloc(stream, bytes)?;
-        let mut v = alloc(stream, bytes)?;
-        if let Some(old) = &self.bufs {
-            let used = self.slots * self.row_bytes();
-            if used > 0 {
-                stream.memcpy_dtod(&old.k.slice(0..used), &mut k.slice_mut(0..used)).map_err(|e| err("KV copy", e))?;
-                stream.memcpy_dtod(&old.v.slice(0..used), &mut v.slice_mut(0..used)).map_err(|e| err("KV copy", e))?;
-            }
+        let page_bytes = KV_PAGE * self.row_bytes();
+        if self.pages.is_none() {
+            let n = max.div_ceil(KV_PAGE);
+            let table = || stream.alloc_zeros::<u64>(n).map_err(|e| err("allocating a KV page table", e));
+            self.pages = Some(KvPages { k: vec![], v: vec![], k_table: table()?, v_table: table()? });
         }
-        self.bufs = Some(KvBufs { k, v });
-        self.slots = want;
+        let pages = self.pages.as_mut().expect("allocated above");
+        let first = pages.k.len();
+        while pages.k.len() * KV_PAGE < end {
+            pages.k.push(alloc(stream, page_bytes)?);
+            pages.v.push(alloc(stream, page_bytes)?);
+        }
+        // The new pages' addresses into both tables (in stream order: before any kernel
+        // launched after this reads them; the kernels launched before read older entries only).
+        let addrs = |v: &[CudaSlice<u8>]| -> Vec<u64> { v[first..].iter().map(|p| p.device_ptr(stream).0).collect() };
+        let (ka, va) = (addrs(&pages.k), addrs(&pages.v));
+        let last = pages.k.len();
+        stream
+            .memcpy_htod(&ka, &mut pages.k_table.slice_mut(first..last))
+            .map_err(|e| err("writing the KV page table", e))?;
+        stream
+            .memcpy_htod(&va, &mut pages.v_table.slice_mut(first..last))
+            .map_err(|e| err("writing the KV page table", e))?;
+        self.slots = last * KV_PAGE;
         Ok(())
     }
 
-    /// Device pointers of K and V (0 while nothing is allocated: no cached position is read then).
+    /// The kernels' K and V cache arguments: a ring's buffers, or a paged cache's page tables
+    /// (0 while nothing is allocated: no cached position is read then).
     pub fn ptrs(&self, stream: &Arc<CudaStream>) -> (u64, u64) {
-        match &self.bufs {
-            Some(b) => (b.k.device_ptr(stream).0, b.v.device_ptr(stream).0),
+        if let Some(b) = &self.bufs {
+            return (b.k.device_ptr(stream).0, b.v.device_ptr(stream).0);
+        }
+        match &self.pages {
+            Some(p) => (p.k_table.device_ptr(stream).0, p.v_table.device_ptr(stream).0),
             None => (0, 0),
         }
     }
@@ -115,8 +141,13 @@ impl CudaKv {
         self.len = self.len.min(new_len);
     }
 
+    /// Device bytes held: ring buffers, or pages and their tables.
     pub fn bytes(&self) -> usize {
-        self.bufs.as_ref().map_or(0, |b| b.k.len() + b.v.len())
+        let ring = self.bufs.as_ref().map_or(0, |b| b.k.len() + b.v.len());
+        let pages = self.pages.as_ref().map_or(0, |p| {
+            p.k.iter().chain(&p.v).map(|s| s.len()).sum::<usize>() + 8 * (p.k_table.len() + p.v_table.len())
+        });
+        ring + pages
     }
 
     pub fn try_clone(&self, stream: &Arc<CudaStream>) -> Result<CudaKv> {
@@ -127,6 +158,22 @@ impl CudaKv {
             }),
             None => None,
         };
-        Ok(CudaKv { spec: self.spec, len: self.len, slots: self.slots, bufs })
+        let mut kv = CudaKv {
+            spec: self.spec,
+            len: self.len,
+            slots: if bufs.is_some() { self.slots } else { 0 },
+            bufs,
+            pages: None,
+        };
+        if let Some(p) = &self.pages {
+            // Pages for the positions held, each copied from the original's.
+            kv.reserve(stream, self.len)?;
+            if let Some(np) = kv.pages.as_mut() {
+                for (dst, src) in np.k.iter_mut().zip(&p.k).chain(np.v.iter_mut().zip(&p.v)) {
+                    stream.memcpy_dtod(src, dst).map_err(|e| err("KV clone", e))?;
+                }
+            }
+        }
+        Ok(kv)
     }
 }

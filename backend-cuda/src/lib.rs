@@ -179,6 +179,9 @@ pub struct CudaBackend {
     /// Kernels are launched as programmatic dependent launches (`Options::pdl` where the device
     /// and the loaded PTX support it).
     pdl: bool,
+    /// Bytes of dynamic shared memory `attn_flash` may take (raised at start-up where the device
+    /// allows; 0 with `Options::flash_prefill` off).
+    flash_shared: usize,
 }
 
 /// Which kernels the backend uses; every choice computes the same arithmetic (the parity tests
@@ -195,6 +198,12 @@ pub struct Options {
     pub graphs: bool,
     /// Attention of a chunk that starts its sequence as cuBLAS GEMMs (where cuBLAS is found).
     pub dense_prefill: bool,
+    /// Other chunks of at least [`FLASH_MIN_ROWS`] tokens through the tiled `attn_flash` kernel
+    /// (else the per-query scored kernels).
+    pub flash_prefill: bool,
+    /// The fewest keys per split where the flash attention splits a chunk's keys (to fill the
+    /// device when its row blocks do not); default [`FLASH_SPLIT_KEYS`].
+    pub flash_split_keys: usize,
     /// The decode chunks of a step's sequences in one batched attention launch per layer.
     pub batch_attention: bool,
     /// The most rows the GEMV kernels take (more go to cuBLAS), at most 16; default
@@ -210,8 +219,9 @@ pub struct Options {
     /// The kernels of session 6: the RoPE in the QKV GEMV, the head gate in the decode
     /// attention's last kernel, RMSNorm with the row in registers. Experimental, off by default:
     /// on an H200 these (with `pdl`) took batch-1 decode from ~400 to 486 tok/s, but tests that
-    /// decode several sequences of different lengths hung there (with `pdl` on or off) and the
-    /// cause is not yet found; see docs/CUDA.md.
+    /// decode several sequences of different lengths hung there (with `pdl` on or off), from a
+    /// scratch-lock self-deadlock since fixed; on the CPU stand-in they now match the default
+    /// bit for bit, and they stay off until a GPU run passes; see docs/CUDA.md.
     pub fuse: bool,
 }
 
@@ -223,6 +233,8 @@ impl Default for Options {
             scored_attention: true,
             graphs: true,
             dense_prefill: true,
+            flash_prefill: true,
+            flash_split_keys: FLASH_SPLIT_KEYS,
             batch_attention: true,
             gemv_max_rows: gemm::GEMV_DEFAULT_ROWS,
             pinned_read: false,
@@ -248,8 +260,18 @@ const SCORES_MAX: usize = 1 << 26;
 const GRAPH_MAX_ROWS: usize = 64;
 /// Bytes of the cuBLAS workspace.
 const CUBLAS_WORKSPACE: usize = 32 << 20;
+/// Bytes of dynamic shared memory any kernel may take without asking.
+const DEFAULT_SHARED: usize = 48 << 10;
+/// The scored kernels' score rows are sized to the cache's capacity rounded up to this many
+/// positions, so a decode step launches the same (one CUDA graph) for that many positions.
+const KEYS_STEP: usize = 256;
 /// The fewest rows a chunk needs for the dense prefill attention.
 const DENSE_MIN_ROWS: usize = 32;
+/// The fewest rows a chunk needs for the flash prefill attention (fewer take the split-K
+/// kernels, which spread a few queries' keys over the whole device).
+pub const FLASH_MIN_ROWS: usize = 16;
+/// The default of [`Options::flash_split_keys`].
+pub const FLASH_SPLIT_KEYS: usize = 256;
 
 fn check(cond: bool, what: &str) -> Result<()> {
     if cond {
@@ -267,7 +289,8 @@ impl CudaBackend {
     /// Open device `ordinal`: checks the driver library and the device, loads the kernels and
     /// cuBLAS. `SPARK_CUDA_NO_CUBLAS=1` forces the fallback GEMM kernels, `SPARK_CUDA_NO_GRAPHS=1`
     /// launches every step kernel by kernel, `SPARK_CUDA_NO_BATCH_ATTENTION=1` launches each
-    /// sequence's decode attention on its own, `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more
+    /// sequence's decode attention on its own, `SPARK_CUDA_NO_FLASH=1` sends prefill chunks to the
+    /// per-query attention kernels instead of `attn_flash`, `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more
     /// than N rows (at most 16) to cuBLAS instead of the GEMV kernels, `SPARK_CUDA_PINNED_READ=1`
     /// reads results back through page-locked memory; the experimental `SPARK_CUDA_PDL=1` launches
     /// kernels as programmatic dependent launches and `SPARK_CUDA_FUSE=1` takes the fused kernels
@@ -290,6 +313,7 @@ impl CudaBackend {
                 cublas: !on("SPARK_CUDA_NO_CUBLAS"),
                 graphs: !on("SPARK_CUDA_NO_GRAPHS"),
                 batch_attention: !on("SPARK_CUDA_NO_BATCH_ATTENTION"),
+                flash_prefill: !on("SPARK_CUDA_NO_FLASH"),
                 gemv_max_rows,
                 pinned_read: on("SPARK_CUDA_PINNED_READ") || d.pinned_read,
                 pdl: on("SPARK_CUDA_PDL") || d.pdl,
@@ -330,6 +354,24 @@ impl CudaBackend {
             && facts.cc.0 >= 9
             && k.source == kernels::NVRTC_SOURCE
             && !std::env::var("SPARK_CUDA_NO_PDL").is_ok_and(|v| v == "1");
+        // attn_flash takes more than the default 48 KiB of dynamic shared memory at large head
+        // dims: as much as the device allows once asked (an H200 227 KiB, an A100 163 KiB).
+        let flash_shared = if opts.flash_prefill {
+            let want = kernels::flash_shared_bytes(ATTN_MAX_D).min(facts.shared_optin.max(0) as usize);
+            let raised = k.attn_flash.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                want as i32,
+            );
+            match raised {
+                Ok(()) => want.max(DEFAULT_SHARED),
+                Err(e) => {
+                    eprintln!("warning: cuda: raising attn_flash's shared memory to {want} bytes: {e:?}");
+                    DEFAULT_SHARED
+                }
+            }
+        } else {
+            0
+        };
         let blas = if libs.cublas && opts.cublas {
             match guard("cuBLAS", || CudaBlas::new(stream.clone()).map_err(|e| err("creating a cuBLAS handle", e))) {
                 Ok(b) => Some(b),
@@ -379,6 +421,7 @@ impl CudaBackend {
             pool: Arc::new(Mutex::new(Pool::default())),
             pinned: Mutex::new(None),
             pdl,
+            flash_shared,
         })
     }
 
@@ -523,6 +566,116 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+
+    /// Attention of a prefill chunk (any start) by the tiled `attn_flash` kernel (see kernels.cu).
+    /// Where the chunk's row blocks would not fill the device, the keys are split too, and the
+    /// split results are summed by `attn_reduce`, which also appends the chunk's K/V: returns
+    /// whether it did (else the caller appends).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_flash(
+        &self,
+        qkv: &CudaTensor,
+        chunk: AttnChunk,
+        shape: AttnShape,
+        kv: &CudaKv,
+        out: &mut CudaTensor,
+        md: i32,
+        dyn_off: u32,
+    ) -> Result<bool> {
+        let (h, kvh, d) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+        let rows_h = chunk.len * h;
+        let row_blocks = (chunk.len * (h / kvh)).div_ceil(kernels::FLASH_ROWS);
+        // Split-K: enough blocks to fill the device twice over, with at least
+        // `flash_split_keys` keys per split (of the most keys a row sees).
+        let keys = shape.window.map_or(chunk.start_pos + chunk.len, |w| w.min(chunk.start_pos + chunk.len));
+        let blocks = row_blocks * kvh;
+        let target = 2 * self.facts.sms.max(1) as usize;
+        let nsplit = if blocks >= target {
+            1
+        } else {
+            target.div_ceil(blocks).min(keys / self.opts.flash_split_keys.max(1)).clamp(1, 64)
+        };
+        let (stats, partial) = if nsplit > 1 {
+            let mut s = self.scratch();
+            let mut keep = vec![];
+            ensure(&self.stream, &mut s.stats, 2 * rows_h * nsplit, &mut keep)?;
+            ensure(&self.stream, &mut s.partial, rows_h * nsplit * d, &mut keep)?;
+            let st = self.ptr_mut(s.stats.as_mut().expect("ensured"));
+            let pa = self.ptr_mut(s.partial.as_mut().expect("ensured"));
+            // Released before any launch: a launch may record the pending decode attention,
+            // which takes the scratch lock itself.
+            drop(s);
+            self.step().keep.extend(keep);
+            (st, pa)
+        } else {
+            (0, 0)
+        };
+        let (kc, vc) = kv.ptrs(&self.stream);
+        let grid = LaunchConfig {
+            grid_dim: (u32_of(row_blocks, "attention row blocks")?, kvh as u32, nsplit as u32),
+            block_dim: (kernels::FLASH_THREADS, 1, 1),
+            shared_mem_bytes: kernels::flash_shared_bytes(d) as u32,
+        };
+        let out_ptr = self.ptr_mut(out.buf_mut());
+        // attn_flash(ATTN_PARAMS, n, out, out_cols, phase, stats, partial)
+        let args = |phase: i32| -> Result<Vec<Arg>> {
+            Ok(vec![
+                Arg::Ptr(self.ptr(qkv.buf())),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::U32(u32_of(qkv.cols, "qkv cols")?),
+                Arg::U32(u32_of(chunk.row, "row")?),
+                Arg::Stage(dyn_off),
+                Arg::U32(h as u32),
+                Arg::U32(kvh as u32),
+                Arg::U32(d as u32),
+                Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
+                Arg::U32(u32_of(kv.ring(), "ring")?),
+                Arg::U32(nsplit as u32),
+                Arg::I32(kv.is_bf16() as i32),
+                Arg::I32(md),
+                Arg::F32(shape.scale),
+                Arg::U32(u32_of(chunk.len, "chunk rows")?),
+                Arg::Ptr(out_ptr),
+                Arg::U32(u32_of(out.cols, "cols")?),
+                Arg::I32(phase),
+                Arg::Ptr(stats),
+                Arg::Ptr(partial),
+            ])
+        };
+        if nsplit == 1 {
+            self.launch(&self.k.attn_flash, "attn_flash", grid, &args(0)?)?;
+            return Ok(false);
+        }
+        self.launch(&self.k.attn_flash, "attn_flash", grid, &args(1)?)?;
+        self.launch(&self.k.attn_flash, "attn_flash", grid, &args(2)?)?;
+        // attn_reduce(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode, qkv, kc, vc,
+        // qkv_cols, dyn = [start, first], n_kv_heads, ring, kv_bf16): also the KV append.
+        self.launch(
+            &self.k.attn_reduce,
+            "attn_reduce",
+            cfg((u32_of(rows_h, "attention rows")?, 1), ATTN_THREADS, 0),
+            &[
+                Arg::Ptr(partial),
+                Arg::Ptr(out_ptr),
+                Arg::U32(u32_of(out.cols, "cols")?),
+                Arg::U32(chunk.row as u32),
+                Arg::U32(h as u32),
+                Arg::U32(d as u32),
+                Arg::U32(nsplit as u32),
+                Arg::I32(md),
+                Arg::Ptr(self.ptr(qkv.buf())),
+                Arg::Ptr(kc),
+                Arg::Ptr(vc),
+                Arg::U32(qkv.cols as u32),
+                Arg::Stage(dyn_off),
+                Arg::U32(kvh as u32),
+                Arg::U32(kv.ring() as u32),
+                Arg::I32(kv.is_bf16() as i32),
+            ],
+        )?;
+        Ok(true)
     }
 
     /// CUDA graphs captured so far, and steps run as a graph.
@@ -1036,8 +1189,20 @@ impl Backend for CudaBackend {
             && chunk.start_pos == 0
             && chunk.len >= DENSE_MIN_ROWS
             && h * chunk.len * chunk.len <= SCORES_MAX;
+        // attn_flash reads q, k and v rows with 16-byte loads (qkv.cols % 4 == 0).
+        let flash = !dense
+            && chunk.len >= FLASH_MIN_ROWS
+            && qkv.cols.is_multiple_of(4)
+            && d.is_power_of_two()
+            && (32..=ATTN_MAX_D).contains(&d)
+            && kernels::flash_shared_bytes(d) <= self.flash_shared;
         if dense {
             self.attention_dense(qkv, chunk, shape, out, md)?;
+        } else if flash {
+            if self.attention_flash(qkv, chunk, shape, kv, out, md, dyn_off)? {
+                kv.len = end;
+                return Ok(());
+            }
         } else {
             let rows_h = chunk.len * h;
             let max_keys = shape.window.map_or(end, |w| w.min(end));
@@ -1051,7 +1216,8 @@ impl Backend for CudaBackend {
             // The scores' row stride and the split count follow the cache's capacity where that
             // fits (a decode step then launches the same at every position: one CUDA graph), else
             // the keys this chunk sees.
-            let cap_keys = shape.window.map_or(kv.slots, |w| w.min(kv.slots)).max(max_keys);
+            let slots = kv.slots.next_multiple_of(KEYS_STEP);
+            let cap_keys = shape.window.map_or(slots, |w| w.min(slots)).max(max_keys);
             let keys = if scored && rows_h * cap_keys <= SCORES_MAX { cap_keys } else { max_keys };
             // Split-K: enough blocks to fill the device twice over, with at least 32 (scored) or 64
             // keys per split.

@@ -167,6 +167,40 @@ fn rms_norm_and_residual_add_match_the_reference() {
         assert_eq!(h, sum, "{add_k}: the residual");
         assert_close(&format!("{add_k}, {block} threads"), &out, &norm(&sum), 1e-5);
     }
+    // The register-resident kernels sum the squares in the strided kernels' order: the same bits
+    // (at 1000 columns the vector kernels hold the row; at 1002 they fall back to a loop).
+    for cols in [1000usize, 1002] {
+        let x: Vec<f32> = (0..rows * cols).map(|_| 3.0 * rng(&mut s)).collect();
+        let r: Vec<f32> = (0..rows * cols).map(|_| rng(&mut s)).collect();
+        let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.5 * rng(&mut s)).collect();
+        for block in [32u32, 64, 256] {
+            let run = |k: &str| -> (Vec<f32>, Vec<f32>) {
+                let out = vec![f32::NAN; rows * cols];
+                if k.starts_with("add") {
+                    let h = x.clone();
+                    emu.launch(k, (rows as u32, 1, 1), block, 0, &[p(&h), p(&r), p(&w), p(&out), u(cols), f(eps), 0]);
+                    (out, h)
+                } else {
+                    emu.launch(k, (rows as u32, 1, 1), block, 0, &[p(&x), p(&w), p(&out), u(cols), f(eps), 0]);
+                    (out, vec![])
+                }
+            };
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for k in ["rms_norm", "add_rms_norm"] {
+                let (a, ha) = run(k);
+                let (b, hb) = run(&format!("{k}_vec"));
+                let differ = |a: &[f32], b: &[f32]| bits(a).iter().zip(bits(b)).filter(|(x, y)| *x != y).count();
+                let n = differ(&a, &b);
+                assert_eq!(
+                    n,
+                    0,
+                    "{k} and {k}_vec: {n} of {} outputs differ ({cols} columns, {block} threads)",
+                    a.len()
+                );
+                assert_eq!(differ(&ha, &hb), 0, "{k} and {k}_vec: the residual differs");
+            }
+        }
+    }
 }
 
 /// One attention case: `nq` queries at positions `start..`, rows `row0..` of `qkv`, over a cache
@@ -255,6 +289,84 @@ fn to_bf16_bits(v: &[f32]) -> Vec<u16> {
     v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()
 }
 
+/// Positions per page of a full layer's cache (`KV_PAGE` in kernels.cu).
+const KV_PAGE: usize = 64;
+
+/// One cache (K or V) as the kernels hold it: f32 bits, or bf16 bits two per word; a ring's rows
+/// in one buffer, or (ring 0) pages of KV_PAGE rows with a table of their addresses. The pages
+/// are stored out of order (page j at page slot pages - j of the buffer, slot 0 a NaN hole), so
+/// that only the table can find them.
+struct Cache {
+    words: Vec<u32>,
+    table: Vec<u64>,
+    row_words: usize,
+    rows: usize,
+    bf16: bool,
+}
+
+impl Cache {
+    /// `values`: `rows` rows of `kvd` values in position (ring: slot) order.
+    fn new(values: &[f32], bf16: bool, ring: usize, kvd: usize) -> Cache {
+        let row_words = if bf16 { kvd / 2 } else { kvd };
+        let rows = values.len() / kvd;
+        let pack = |row: &[f32]| -> Vec<u32> {
+            if bf16 {
+                let b = to_bf16_bits(row);
+                b.chunks(2).map(|p| p[0] as u32 | (p[1] as u32) << 16).collect()
+            } else {
+                row.iter().map(|x| x.to_bits()).collect()
+            }
+        };
+        if ring > 0 {
+            let words = values.chunks(kvd).flat_map(pack).collect();
+            return Cache { words, table: vec![], row_words, rows, bf16 };
+        }
+        let pages = rows.div_ceil(KV_PAGE);
+        let nan = if bf16 { 0x7fc0_7fc0 } else { 0x7fc0_0000 };
+        let mut words = vec![nan; (pages + 1) * KV_PAGE * row_words];
+        for (pos, row) in values.chunks(kvd).enumerate() {
+            let at = ((pages - pos / KV_PAGE) * KV_PAGE + pos % KV_PAGE) * row_words;
+            words[at..at + row_words].copy_from_slice(&pack(row));
+        }
+        let base = words.as_ptr() as u64;
+        let table = (0..pages).map(|j| base + (4 * (pages - j) * KV_PAGE * row_words) as u64).collect();
+        Cache { words, table, row_words, rows, bf16 }
+    }
+
+    /// The kernels' argument: the ring's rows or the page table.
+    fn arg(&self) -> u64 {
+        if self.table.is_empty() {
+            p(&self.words)
+        } else {
+            p(&self.table)
+        }
+    }
+
+    /// The values, in the order `new` took them.
+    fn values(&self) -> Vec<f32> {
+        (0..self.rows)
+            .flat_map(|pos| {
+                let at = if self.table.is_empty() {
+                    pos * self.row_words
+                } else {
+                    let pages = self.table.len();
+                    ((pages - pos / KV_PAGE) * KV_PAGE + pos % KV_PAGE) * self.row_words
+                };
+                let w = &self.words[at..at + self.row_words];
+                let v: Vec<f32> = if self.bf16 {
+                    w.iter()
+                        .flat_map(|&x| [x as u16, (x >> 16) as u16])
+                        .map(|b| half::bf16::from_bits(b).to_f32())
+                        .collect()
+                } else {
+                    w.iter().map(|&x| f32::from_bits(x)).collect()
+                };
+                v
+            })
+            .collect()
+    }
+}
+
 /// Runs the case through the two-pass kernels (`scored == false`: attn_stats, attn_accum) or the
 /// scored ones (attn_scores, attn_pv), then attn_reduce, which also appends the chunk's K/V.
 /// Returns the attention output rows and the caches afterwards (as f32).
@@ -263,7 +375,7 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
     let scale = 1.0 / (c.d as f32).sqrt();
     let want = reference(c, &qkv, &k, &v, scale);
     // The cache as the kernels hold it.
-    let (kw, vw) = (cache_words(&k, c.bf16_cache), cache_words(&v, c.bf16_cache));
+    let (kw, vw) = (Cache::new(&k, c.bf16_cache, c.ring, c.kvd()), Cache::new(&v, c.bf16_cache, c.ring, c.kvd()));
     let rows_h = c.nq * c.nh;
     let dynv = [c.start as u32, c.start as u32];
     let out_cols = c.nh * c.d;
@@ -275,8 +387,8 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
     let scores = vec![0.0f32; rows_h * max_keys];
     let common = [
         p(&qkv),
-        p(&kw),
-        p(&vw),
+        kw.arg(),
+        vw.arg(),
         u(c.cols()),
         u(c.row0),
         p(&dynv),
@@ -322,8 +434,8 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
             u(nsplit),
             0,
             p(&qkv),
-            p(&kw),
-            p(&vw),
+            kw.arg(),
+            vw.arg(),
             u(c.cols()),
             p(&dynv),
             u(c.nkv),
@@ -343,8 +455,8 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
             v_after[at + e] = if c.bf16_cache { bf16_round(vx) } else { vx };
         }
     }
-    assert_eq!(cache_values(&kw, c.bf16_cache, k_after.len()), k_after, "K cache after attn_reduce's append");
-    assert_eq!(cache_values(&vw, c.bf16_cache, v_after.len()), v_after, "V cache after attn_reduce's append");
+    assert_eq!(kw.values(), k_after, "K cache after attn_reduce's append");
+    assert_eq!(vw.values(), v_after, "V cache after attn_reduce's append");
     (got, want, k_after, v_after)
 }
 
@@ -354,7 +466,7 @@ fn attention_kernels_match_the_reference_on_sliding_and_full_layers() {
     for (window, ring) in [(8usize, 8usize), (0, 0)] {
         for bf16_cache in [false, true] {
             // A prefill chunk after a cached prefix, and a decode step.
-            for (start, nq) in [(11usize, 5usize), (13, 1)] {
+            for (start, nq) in [(11usize, 5usize), (13, 1), (75, 5), (70, 1)] {
                 let c = Case { nh: 4, nkv: 2, d: 64, window, ring, start, nq, row0: 2, bf16_cache };
                 for (nsplit, scored) in [(1, false), (3, false), (1, true), (2, true)] {
                     let (got, want, ..) = run_case(emu, &c, nsplit, scored, 17 + start as u64);
@@ -368,57 +480,163 @@ fn attention_kernels_match_the_reference_on_sliding_and_full_layers() {
     }
 }
 
+/// Bytes of dynamic shared memory attn_flash takes (`FLASH_SHARED_FLOATS` in kernels.cu).
+fn flash_shared(d: usize) -> u32 {
+    (4 * (64 * (d + 1) + 32 * 33 + 64)) as u32
+}
+
+/// Runs attn_flash over a case in rounding mode `mode` with the keys in `nsplit` splits (phase 0
+/// for one, else phases 1 and 2 and then attn_reduce); returns the chunk's output rows. Checks
+/// that attn_flash leaves the caches alone.
+fn run_flash(emu: &Emu, c: &Case, data: &(Vec<f32>, Vec<f32>, Vec<f32>), mode: u64, nsplit: usize) -> Vec<f32> {
+    let (qkv, k, v) = data;
+    let (kw, vw) = (Cache::new(k, c.bf16_cache, c.ring, c.kvd()), Cache::new(v, c.bf16_cache, c.ring, c.kvd()));
+    let out_cols = c.nh * c.d;
+    let out = vec![f32::NAN; (c.row0 + c.nq) * out_cols];
+    let dynv = [c.start as u32, c.start as u32];
+    let scale = 1.0 / (c.d as f32).sqrt();
+    let rows = c.nq * (c.nh / c.nkv);
+    let stats = vec![f32::NAN; 2 * rows * c.nkv * nsplit];
+    let partial = vec![f32::NAN; c.nq * c.nh * nsplit * c.d];
+    let args = |phase: u64| {
+        vec![
+            p(qkv),
+            kw.arg(),
+            vw.arg(),
+            u(c.cols()),
+            u(c.row0),
+            p(&dynv),
+            u(c.nh),
+            u(c.nkv),
+            u(c.d),
+            u(c.window),
+            u(c.ring),
+            u(nsplit),
+            c.bf16_cache as u64,
+            mode,
+            f(scale),
+            u(c.nq),
+            p(&out),
+            u(out_cols),
+            phase,
+            p(&stats),
+            p(&partial),
+        ]
+    };
+    let grid = (rows.div_ceil(32) as u32, c.nkv as u32, nsplit as u32);
+    if nsplit == 1 {
+        emu.launch("attn_flash", grid, 256, flash_shared(c.d), &args(0));
+    } else {
+        emu.launch("attn_flash", grid, 256, flash_shared(c.d), &args(1));
+        emu.launch("attn_flash", grid, 256, flash_shared(c.d), &args(2));
+    }
+    assert_eq!(&kw.values(), k, "attn_flash changed the K cache");
+    assert_eq!(&vw.values(), v, "attn_flash changed the V cache");
+    if nsplit > 1 {
+        emu.launch(
+            "attn_reduce",
+            ((c.nq * c.nh) as u32, 1, 1),
+            128,
+            0,
+            &[
+                p(&partial),
+                p(&out),
+                u(out_cols),
+                u(c.row0),
+                u(c.nh),
+                u(c.d),
+                u(nsplit),
+                mode,
+                p(qkv),
+                kw.arg(),
+                vw.arg(),
+                u(c.cols()),
+                p(&dynv),
+                u(c.nkv),
+                u(c.ring),
+                c.bf16_cache as u64,
+            ],
+        );
+    }
+    assert!(out[..c.row0 * out_cols].iter().all(|v| v.is_nan()), "attn_flash wrote rows before the chunk");
+    out[c.row0 * out_cols..].to_vec()
+}
+
+#[test]
+fn flash_attention_matches_the_reference() {
+    let Some(emu) = emu() else { return };
+    // (heads, kv heads, head_dim): query groups of 2, 4, 1, 6 and 3 (blocks of 32 rows then end
+    // inside a query's group), and every head_dim the kernel is instantiated for but 512.
+    let shapes = [(4usize, 2usize, 64usize), (8, 2, 32), (2, 2, 128), (6, 1, 32), (3, 1, 256)];
+    for (si, &(nh, nkv, d)) in shapes.iter().enumerate() {
+        for (window, ring) in [(8usize, 8usize), (0, 0)] {
+            // A chunk that starts the sequence, one after a cached prefix (longer than the
+            // window), and a single query; the keys in 1 to 5 splits (more splits than tiles too).
+            for (start, nq, nsplit) in
+                [(0usize, 37usize, 1usize), (11, 21, 1), (5, 1, 1), (0, 37, 2), (70, 21, 3), (11, 4, 5)]
+            {
+                let bf16_cache = (si + start) % 2 == 1;
+                let c = Case { nh, nkv, d, window, ring, start, nq, row0: 3, bf16_cache };
+                let data = case_data(&c, 40 + si as u64 + start as u64);
+                let want = reference(&c, &data.0, &data.1, &data.2, 1.0 / (d as f32).sqrt());
+                let what = format!(
+                    "{nh}/{nkv} heads, d {d}, window {window}, start {start}, {nq} queries, {nsplit} splits, bf16 cache {bf16_cache}"
+                );
+                let got = run_flash(emu, &c, &data, 0, nsplit);
+                assert_close(&what, &got, &want, 2e-5);
+                // bf16 rounding: every output a bf16 value, near the exact result.
+                let got = run_flash(emu, &c, &data, 1, nsplit);
+                assert!(got.iter().all(|&x| bf16_round(x) == x), "{what}: bf16 mode outputs not bf16 values");
+                assert_close(&format!("{what}, bf16 mode"), &got, &want, 2e-2);
+            }
+        }
+    }
+}
+
 #[test]
 fn kv_append_writes_ring_and_growing_slots() {
     let Some(emu) = emu() else { return };
     for ring in [0usize, 8] {
-        let c = Case { nh: 4, nkv: 2, d: 32, window: ring, ring, start: 6, nq: 5, row0: 1, bf16_cache: false };
-        let (qkv, k, v) = case_data(&c, 3);
-        let kw: Vec<f32> = k.clone();
-        let vw: Vec<f32> = v.clone();
-        // Append positions from first = start + 2 on (the earlier ones are held already).
-        let first = c.start + 2;
-        let dynv = [c.start as u32, first as u32];
-        let n = c.start + c.nq - first;
-        emu.launch(
-            "kv_append",
-            (n as u32, 1, 1),
-            64,
-            0,
-            &[p(&qkv), p(&kw), p(&vw), u(c.cols()), u(c.row0), p(&dynv), u(c.nh * c.d), u(c.kvd()), u(c.ring), 0],
-        );
-        let (mut ke, mut ve) = (k, v);
-        for pos in first..c.start + c.nq {
-            let row = &qkv[(c.row0 + pos - c.start) * c.cols() + c.nh * c.d..];
-            let at = c.slot(pos) * c.kvd();
-            ke[at..at + c.kvd()].copy_from_slice(&row[..c.kvd()]);
-            ve[at..at + c.kvd()].copy_from_slice(&row[c.kvd()..2 * c.kvd()]);
+        for bf16_cache in [false, true] {
+            // Positions 60..67: across the first page boundary of a paged cache.
+            let c = Case { nh: 4, nkv: 2, d: 32, window: ring, ring, start: 62, nq: 5, row0: 1, bf16_cache };
+            let (qkv, k, v) = case_data(&c, 3);
+            let (kw, vw) = (Cache::new(&k, bf16_cache, ring, c.kvd()), Cache::new(&v, bf16_cache, ring, c.kvd()));
+            // Append positions from first = start + 1 on (the earlier ones are held already).
+            let first = c.start + 1;
+            let dynv = [c.start as u32, first as u32];
+            let n = c.start + c.nq - first;
+            emu.launch(
+                "kv_append",
+                (n as u32, 1, 1),
+                64,
+                0,
+                &[
+                    p(&qkv),
+                    kw.arg(),
+                    vw.arg(),
+                    u(c.cols()),
+                    u(c.row0),
+                    p(&dynv),
+                    u(c.nh * c.d),
+                    u(c.kvd()),
+                    u(c.ring),
+                    bf16_cache as u64,
+                ],
+            );
+            let (mut ke, mut ve) = (k, v);
+            let r = |x: f32| if bf16_cache { bf16_round(x) } else { x };
+            for pos in first..c.start + c.nq {
+                let row = &qkv[(c.row0 + pos - c.start) * c.cols() + c.nh * c.d..];
+                let at = c.slot(pos) * c.kvd();
+                for e in 0..c.kvd() {
+                    ke[at + e] = r(row[e]);
+                    ve[at + e] = r(row[c.kvd() + e]);
+                }
+            }
+            assert_eq!(kw.values(), ke, "ring {ring}, bf16 {bf16_cache}: K");
+            assert_eq!(vw.values(), ve, "ring {ring}, bf16 {bf16_cache}: V");
         }
-        assert_eq!(kw, ke, "ring {ring}: K");
-        assert_eq!(vw, ve, "ring {ring}: V");
-    }
-}
-
-/// The cache words as the kernels hold them: f32 bits, or bf16 bits two per word.
-fn cache_words(v: &[f32], bf16: bool) -> Vec<u32> {
-    if bf16 {
-        let b = to_bf16_bits(v);
-        b.chunks(2).map(|p| p[0] as u32 | (*p.get(1).unwrap_or(&0) as u32) << 16).collect()
-    } else {
-        v.iter().map(|x| x.to_bits()).collect()
-    }
-}
-
-/// The first `n` cache values of words as [`cache_words`] packs them.
-fn cache_values(w: &[u32], bf16: bool, n: usize) -> Vec<f32> {
-    if bf16 {
-        w.iter()
-            .flat_map(|&x| [x as u16, (x >> 16) as u16])
-            .take(n)
-            .map(|b| half::bf16::from_bits(b).to_f32())
-            .collect()
-    } else {
-        w.iter().take(n).map(|&x| f32::from_bits(x)).collect()
     }
 }
 
@@ -431,7 +649,7 @@ fn batched_decode_attention_matches_the_reference_per_sequence() {
             // Two sequences' decode chunks of one layer in one launch: rows 0 and 1 of qkv.
             let cases = [
                 Case { nh: 4, nkv: 2, d: 64, window, ring, start: 11, nq: 1, row0: 0, bf16_cache },
-                Case { nh: 4, nkv: 2, d: 64, window, ring, start: 5, nq: 1, row0: 1, bf16_cache },
+                Case { nh: 4, nkv: 2, d: 64, window, ring, start: 70, nq: 1, row0: 1, bf16_cache },
             ];
             let c0 = &cases[0];
             let (qkv, _, _) = case_data(&Case { row0: 1, ..*c0 }, 5);
@@ -443,8 +661,13 @@ fn batched_decode_attention_matches_the_reference_per_sequence() {
                     (k, v)
                 })
                 .collect();
-            let words: Vec<(Vec<u32>, Vec<u32>)> =
-                caches.iter().map(|(k, v)| (cache_words(k, bf16_cache), cache_words(v, bf16_cache))).collect();
+            let words: Vec<(Cache, Cache)> = caches
+                .iter()
+                .zip(&cases)
+                .map(|((k, v), c)| {
+                    (Cache::new(k, bf16_cache, c.ring, c.kvd()), Cache::new(v, bf16_cache, c.ring, c.kvd()))
+                })
+                .collect();
             let scale = 1.0 / (c0.d as f32).sqrt();
             let gate: Vec<f32> = {
                 let mut s = 9;
@@ -458,7 +681,7 @@ fn batched_decode_attention_matches_the_reference_per_sequence() {
                 let rows_h = c.nq * c.nh;
                 let end = c.start + c.nq;
                 let keys = if c.window > 0 { c.window.min(end) } else { end };
-                let (kp, vp) = (p(&words[i].0), p(&words[i].1));
+                let (kp, vp) = (words[i].0.arg(), words[i].1.arg());
                 let e = &mut table[i * 16..(i + 1) * 16];
                 e[..7].copy_from_slice(&[
                     c.row0 as u32,
@@ -519,8 +742,8 @@ fn batched_decode_attention_matches_the_reference_per_sequence() {
                     k[at + e] = r(row[e]);
                     v[at + e] = r(row[c.kvd() + e]);
                 }
-                assert_eq!(words[i].0, cache_words(&k, bf16_cache), "sequence {i}: K cache after the append");
-                assert_eq!(words[i].1, cache_words(&v, bf16_cache), "sequence {i}: V cache after the append");
+                assert_eq!(words[i].0.values(), k, "sequence {i}: K cache after the append");
+                assert_eq!(words[i].1.values(), v, "sequence {i}: V cache after the append");
             }
         }
     }

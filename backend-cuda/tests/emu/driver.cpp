@@ -60,6 +60,12 @@ size_t mem_used = 0;
 // Bytes of each live device allocation (under driver_lock), so that a free gives them back.
 std::unordered_map<CUdeviceptr, size_t> mem_sizes;
 
+// Dynamic shared memory each function may take (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+// under driver_lock): 48 KiB unless raised, as on a GPU, so a launch that forgets to raise it fails
+// here as it would there.
+constexpr int SHARED_DEFAULT = 48 * 1024, SHARED_OPTIN = 227 * 1024;
+std::unordered_map<const void*, int> shared_max;
+
 void* alloc_bytes(size_t bytes) {
     const size_t n = (bytes + 255) / 256 * 256;
     void* p = std::aligned_alloc(256, n ? n : 256);
@@ -75,6 +81,16 @@ CUresult launch(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, uns
     std::vector<uint64_t> slots(emu_arity(k));
     for (size_t i = 0; i < slots.size(); ++i) std::memcpy(&slots[i], params[i], 8);
     const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    {
+        std::lock_guard<std::mutex> g(driver_lock);
+        const auto it = shared_max.find(f);
+        const int cap = it == shared_max.end() ? SHARED_DEFAULT : it->second;
+        if (shared > (unsigned)cap) {
+            std::fprintf(stderr, "cuda emulation: launch of %s asks %u bytes of dynamic shared memory (limit %d)\n",
+                         k->name, shared, cap);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
     return issue(stream, [=]() {
         if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return CUDA_ERROR_INVALID_VALUE;
         char err[256] = {0};
@@ -278,7 +294,14 @@ CUresult cuFuncGetAttribute(int* v, int, void*) {
     *v = 0;
     return CUDA_SUCCESS;
 }
-CUresult cuFuncSetAttribute(void*, int, int) { return CUDA_SUCCESS; }
+CUresult cuFuncSetAttribute(void* f, int attr, int v) {
+    if (attr == 8) {  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        if (v < 0 || v > SHARED_OPTIN) return CUDA_ERROR_INVALID_VALUE;
+        std::lock_guard<std::mutex> g(driver_lock);
+        shared_max[f] = v;
+    }
+    return CUDA_SUCCESS;
+}
 
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void* stream, void** params, void** extra) {

@@ -67,6 +67,7 @@ const std::vector<Kernel>& table() {
         K(gemv_geglu_bf16w), K(gemv_qkv_rope),     K(kv_append),          K(attn_stats),
         K(attn_accum),       K(attn_scores),       K(attn_pv),            K(attn_reduce),
         K(attn_scores_batch), K(attn_pv_batch),    K(attn_reduce_batch),  K(attn_softmax),
+        K(attn_flash),
     };
     return t;
 }
