@@ -289,12 +289,12 @@ impl CudaBackend {
     /// Open device `ordinal`: checks the driver library and the device, loads the kernels and
     /// cuBLAS. `SPARK_CUDA_NO_CUBLAS=1` forces the fallback GEMM kernels, `SPARK_CUDA_NO_GRAPHS=1`
     /// launches every step kernel by kernel, `SPARK_CUDA_NO_BATCH_ATTENTION=1` launches each
-    /// sequence's decode attention on its own, `SPARK_CUDA_NO_FLASH=1` sends prefill chunks to the
-    /// per-query attention kernels instead of `attn_flash`, `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more
-    /// than N rows (at most 16) to cuBLAS instead of the GEMV kernels, `SPARK_CUDA_PINNED_READ=1`
-    /// reads results back through page-locked memory; the experimental `SPARK_CUDA_PDL=1` launches
-    /// kernels as programmatic dependent launches and `SPARK_CUDA_FUSE=1` takes the fused kernels
-    /// (see [`Options`]).
+    /// sequence's decode attention on its own, `SPARK_CUDA_NO_FLASH=1` sends prefill chunks to
+    /// the per-query split-K attention kernels instead of `attn_flash`,
+    /// `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more than N rows (at most 16) to cuBLAS instead
+    /// of the GEMV kernels, `SPARK_CUDA_PINNED_READ=1` reads results back through page-locked
+    /// memory; the experimental `SPARK_CUDA_PDL=1` launches kernels as programmatic dependent
+    /// launches and `SPARK_CUDA_FUSE=1` takes the fused kernels (see [`Options`]).
     pub fn new(ordinal: usize) -> Result<Self> {
         let on = |v: &str| std::env::var(v).is_ok_and(|v| v == "1");
         let d = Options::default();
