@@ -22,7 +22,8 @@
 # the device README) carried, e.g.
 #   scripts/gpu-check.sh build && run(command="for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig;
 #       bash scripts/gpu-check.sh run target/gpu-check", carry=["target/gpu-check", ".gl"], timeout_s=540)
-# Everything `run` does fits in about 6 minutes on an H200 (each step has its own timeout).
+# `run` took about 6 minutes on an H200 before session 17 added three benches and a profile (not
+# yet timed there); each step has its own timeout.
 set -uo pipefail
 
 cmd=${1:-}

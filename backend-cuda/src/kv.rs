@@ -6,7 +6,9 @@
 //! allocated whole at the start. A full layer's cache is paged: pages of [`KV_PAGE`] rows are
 //! allocated as the sequence grows (capped at the served context) and never move, and a device
 //! table of page addresses (one for K, one for V, sized for the context) is what the kernels get.
-//! So growing copies nothing, and the bytes held stay within one page of what is used.
+//! So growing copies nothing, and the bytes held stay within one page of what is used. A fork
+//! shares its source's pages; a page shared by several sequences is copied before one of them
+//! writes into it (copy on write), so forks of a long context cost a table, not its pages.
 
 use std::sync::Arc;
 
@@ -27,9 +29,9 @@ pub struct KvBufs {
 
 /// A full layer's pages and their address tables.
 pub struct KvPages {
-    /// K and V pages, in position order.
-    pub k: Vec<CudaSlice<u8>>,
-    pub v: Vec<CudaSlice<u8>>,
+    /// K and V pages, in position order (shared with forks until written).
+    pub k: Vec<Arc<CudaSlice<u8>>>,
+    pub v: Vec<Arc<CudaSlice<u8>>>,
     /// Device tables of the pages' addresses (entries past the last page are 0).
     pub k_table: CudaSlice<u64>,
     pub v_table: CudaSlice<u64>,
@@ -89,13 +91,14 @@ impl CudaKv {
         }
     }
 
-    /// Make room for positions up to `end` (a paged cache adds pages and their table entries).
-    pub fn reserve(&mut self, stream: &Arc<CudaStream>, end: usize) -> Result<()> {
+    /// Make positions `start..end` writable: a paged cache adds pages (and their table entries)
+    /// up to `end`, and copies the pages in that range that it shares with a fork.
+    pub fn reserve(&mut self, stream: &Arc<CudaStream>, start: usize, end: usize) -> Result<()> {
         let KvKind::Grow { max } = self.spec.kind else { return Ok(()) };
         if end > max {
             return Err(Error::new(ErrorKind::OutOfMemory, format!("KV cache full: {end} positions > {max}")));
         }
-        if end <= self.slots {
+        if end <= start {
             return Ok(());
         }
         let page_bytes = KV_PAGE * self.row_bytes();
@@ -105,22 +108,40 @@ impl CudaKv {
             self.pages = Some(KvPages { k: vec![], v: vec![], k_table: table()?, v_table: table()? });
         }
         let pages = self.pages.as_mut().expect("allocated above");
-        let first = pages.k.len();
-        while pages.k.len() * KV_PAGE < end {
-            pages.k.push(alloc(stream, page_bytes)?);
-            pages.v.push(alloc(stream, page_bytes)?);
+        // Shared pages the range writes into: a private copy each.
+        let held = pages.k.len();
+        for j in start / KV_PAGE..held.min(end.div_ceil(KV_PAGE)) {
+            for (list, table) in [(&mut pages.k, &mut pages.k_table), (&mut pages.v, &mut pages.v_table)] {
+                if Arc::strong_count(&list[j]) > 1 {
+                    let mut own = alloc(stream, page_bytes)?;
+                    stream.memcpy_dtod(list[j].as_ref(), &mut own).map_err(|e| err("KV page copy", e))?;
+                    let addr = own.device_ptr(stream).0;
+                    list[j] = Arc::new(own);
+                    stream
+                        .memcpy_htod(&[addr], &mut table.slice_mut(j..j + 1))
+                        .map_err(|e| err("writing the KV page table", e))?;
+                }
+            }
         }
-        // The new pages' addresses into both tables (in stream order: before any kernel
-        // launched after this reads them; the kernels launched before read older entries only).
-        let addrs = |v: &[CudaSlice<u8>]| -> Vec<u64> { v[first..].iter().map(|p| p.device_ptr(stream).0).collect() };
-        let (ka, va) = (addrs(&pages.k), addrs(&pages.v));
+        // New pages up to `end`, and their addresses into both tables (in stream order: before
+        // any kernel launched after this reads them; kernels launched before read older entries
+        // only).
+        while pages.k.len() * KV_PAGE < end {
+            pages.k.push(Arc::new(alloc(stream, page_bytes)?));
+            pages.v.push(Arc::new(alloc(stream, page_bytes)?));
+        }
         let last = pages.k.len();
-        stream
-            .memcpy_htod(&ka, &mut pages.k_table.slice_mut(first..last))
-            .map_err(|e| err("writing the KV page table", e))?;
-        stream
-            .memcpy_htod(&va, &mut pages.v_table.slice_mut(first..last))
-            .map_err(|e| err("writing the KV page table", e))?;
+        if last > held {
+            let addrs =
+                |v: &[Arc<CudaSlice<u8>>]| -> Vec<u64> { v[held..].iter().map(|p| p.device_ptr(stream).0).collect() };
+            let (ka, va) = (addrs(&pages.k), addrs(&pages.v));
+            stream
+                .memcpy_htod(&ka, &mut pages.k_table.slice_mut(held..last))
+                .map_err(|e| err("writing the KV page table", e))?;
+            stream
+                .memcpy_htod(&va, &mut pages.v_table.slice_mut(held..last))
+                .map_err(|e| err("writing the KV page table", e))?;
+        }
         self.slots = last * KV_PAGE;
         Ok(())
     }
@@ -141,15 +162,19 @@ impl CudaKv {
         self.len = self.len.min(new_len);
     }
 
-    /// Device bytes held: ring buffers, or pages and their tables.
+    /// Device bytes held: ring buffers, or pages and their tables, a page shared by n sequences
+    /// counting 1/n here (so that the sum over sequences is what the device holds).
     pub fn bytes(&self) -> usize {
         let ring = self.bufs.as_ref().map_or(0, |b| b.k.len() + b.v.len());
         let pages = self.pages.as_ref().map_or(0, |p| {
-            p.k.iter().chain(&p.v).map(|s| s.len()).sum::<usize>() + 8 * (p.k_table.len() + p.v_table.len())
+            let page = |s: &Arc<CudaSlice<u8>>| s.len() / Arc::strong_count(s);
+            p.k.iter().chain(&p.v).map(page).sum::<usize>() + 8 * (p.k_table.len() + p.v_table.len())
         });
         ring + pages
     }
 
+    /// A fork: a ring is copied; a paged cache shares the pages (copied when either side writes
+    /// into one, see [`CudaKv::reserve`]) under new tables.
     pub fn try_clone(&self, stream: &Arc<CudaStream>) -> Result<CudaKv> {
         let bufs = match &self.bufs {
             Some(b) => Some(KvBufs {
@@ -158,22 +183,14 @@ impl CudaKv {
             }),
             None => None,
         };
-        let mut kv = CudaKv {
-            spec: self.spec,
-            len: self.len,
-            slots: if bufs.is_some() { self.slots } else { 0 },
-            bufs,
-            pages: None,
-        };
-        if let Some(p) = &self.pages {
-            // Pages for the positions held, each copied from the original's.
-            kv.reserve(stream, self.len)?;
-            if let Some(np) = kv.pages.as_mut() {
-                for (dst, src) in np.k.iter_mut().zip(&p.k).chain(np.v.iter_mut().zip(&p.v)) {
-                    stream.memcpy_dtod(src, dst).map_err(|e| err("KV clone", e))?;
-                }
+        let pages = match &self.pages {
+            Some(p) => {
+                let k_table = stream.clone_dtod(&p.k_table).map_err(|e| err("KV page table clone", e))?;
+                let v_table = stream.clone_dtod(&p.v_table).map_err(|e| err("KV page table clone", e))?;
+                Some(KvPages { k: p.k.clone(), v: p.v.clone(), k_table, v_table })
             }
-        }
-        Ok(kv)
+            None => None,
+        };
+        Ok(CudaKv { spec: self.spec, len: self.len, slots: self.slots, bufs, pages })
     }
 }

@@ -1175,7 +1175,7 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let end = chunk.start_pos + chunk.len;
-        kv.reserve(&self.stream, end)?;
+        kv.reserve(&self.stream, chunk.start_pos, end)?;
         let md = mode(round)?;
         // Append the chunk's K/V after the attention (only the last `window` positions, for a
         // ring); the chunk's start and first appended position are staged.

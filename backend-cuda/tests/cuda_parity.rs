@@ -86,6 +86,54 @@ fn chunked_prefill_and_batching_match_one_shot() {
     check_chunked_prefill_batching_and_forks(&mut m, &m8_golden(), F32_TOL, &[ForkCheck::ContinuesExactly]);
 }
 
+/// A fork shares its source's full-layer KV pages until one of them writes into a shared page
+/// (copy on write): after a 60-token prefix, the source and the fork take different tokens in
+/// one step (writing into the shared page and past it), then one more in another; each matches
+/// a fresh sequence fed its own tokens, and the fork took less KV memory than a copy would.
+#[test]
+fn forks_share_kv_pages_and_diverge_cleanly() {
+    let Some(b) = backend(Options::default()) else { return };
+    let mut m = model(b, "testdata/golden/m8/ckpt_f32");
+    let gold = m8_golden();
+    let vocab = m.info().vocab;
+    let ids = &gold["p2.input_ids"].ids;
+    let (head, a, bb) = (&ids[..60], &ids[60..65], &ids[65..70]);
+    let mut last = vec![0.0; vocab];
+    m.forward(&[SeqStep { seq_id: 1, tokens: head, start_pos: 0, logits: LogitsMode::Last }], &mut last).unwrap();
+    let before = m.kv_bytes();
+    m.fork(1, 2).unwrap();
+    let after = m.kv_bytes();
+    assert!(after < 2 * before, "the fork copied its pages: {before} -> {after} bytes of KV");
+    // Both continue in one step, with different tokens.
+    let mut out = vec![0.0; 10 * vocab];
+    m.forward(
+        &[
+            SeqStep { seq_id: 1, tokens: a, start_pos: 60, logits: LogitsMode::All },
+            SeqStep { seq_id: 2, tokens: bb, start_pos: 60, logits: LogitsMode::All },
+        ],
+        &mut out,
+    )
+    .unwrap();
+    let next = [ids[0]];
+    let (mut s1, mut s2) = (vec![0.0; vocab], vec![0.0; vocab]);
+    m.forward(&[SeqStep { seq_id: 2, tokens: &next, start_pos: 65, logits: LogitsMode::Last }], &mut s2).unwrap();
+    m.forward(&[SeqStep { seq_id: 1, tokens: &next, start_pos: 65, logits: LogitsMode::Last }], &mut s1).unwrap();
+    // Fresh sequences with the same tokens.
+    for (seq, tail, got, step) in [(3u64, a, &out[..5 * vocab], &s1), (4, bb, &out[5 * vocab..], &s2)] {
+        let all: Vec<u32> = head.iter().chain(tail).chain(&next).copied().collect();
+        let mut want = vec![0.0; all.len() * vocab];
+        m.forward(&[SeqStep { seq_id: seq, tokens: &all, start_pos: 0, logits: LogitsMode::All }], &mut want).unwrap();
+        let d = max_abs_diff(got, &want[60 * vocab..65 * vocab]);
+        assert!(d < F32_TOL, "sequence {seq}'s counterpart after the fork: max diff {d:e}");
+        let d = max_abs_diff(step, &want[65 * vocab..]);
+        assert!(d < F32_TOL, "sequence {seq}'s counterpart, the step after: max diff {d:e}");
+        m.release(seq);
+    }
+    m.release(1);
+    m.release(2);
+    assert_eq!(m.kv_bytes(), 0, "every sequence was released");
+}
+
 /// The same with the flash attention's keys split wherever a chunk sees 16 keys or more (by
 /// default splits take 256 keys at least, more than these prompts have).
 #[test]
