@@ -22,7 +22,7 @@
 # the device README) carried, e.g.
 #   scripts/gpu-check.sh build && run(command="for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig;
 #       bash scripts/gpu-check.sh run target/gpu-check", carry=["target/gpu-check", ".gl"], timeout_s=540)
-# `run` took about 6 minutes on an H200 before session 17 added three benches and a profile (not
+# `run` took about 6 minutes on an H200 before session 17 added four benches and a profile (not
 # yet timed there); each step has its own timeout.
 set -uo pipefail
 
@@ -158,10 +158,12 @@ run)
   }
   bench default 1 2048
   # Prefill in steps of 512 tokens (llama.cpp's default ubatch): the chunks after the first take
-  # attn_flash, or with SPARK_CUDA_NO_FLASH=1 the split-K kernels; and an 8192-token prompt in
-  # one step (past the dense path's 256 MiB of scores: attn_flash from position 0).
+  # attn_flash, or with SPARK_CUDA_NO_FLASH=1 the split-K kernels; the whole prompt through
+  # attn_flash instead of the cuBLAS attention (SPARK_CUDA_NO_DENSE=1); and an 8192-token prompt
+  # in one step (past the dense path's 256 MiB of scores: attn_flash from position 0).
   bench ub512 1 2048 -- --ubatch 512
   bench ub512-noflash 1 2048 SPARK_CUDA_NO_FLASH=1 -- --ubatch 512
+  bench nodense 1 2048 SPARK_CUDA_NO_DENSE=1
   BENCH_CTX=8448 bench pp8192 1 8192
   for b in 4 8 16; do bench default $b 0; done
   bench pinned 1 0 SPARK_CUDA_PINNED_READ=1

@@ -290,7 +290,8 @@ impl CudaBackend {
     /// cuBLAS. `SPARK_CUDA_NO_CUBLAS=1` forces the fallback GEMM kernels, `SPARK_CUDA_NO_GRAPHS=1`
     /// launches every step kernel by kernel, `SPARK_CUDA_NO_BATCH_ATTENTION=1` launches each
     /// sequence's decode attention on its own, `SPARK_CUDA_NO_FLASH=1` sends prefill chunks to
-    /// the per-query split-K attention kernels instead of `attn_flash`,
+    /// the per-query split-K attention kernels instead of `attn_flash`, `SPARK_CUDA_NO_DENSE=1`
+    /// sends whole prompts to `attn_flash` (or those) instead of the cuBLAS attention,
     /// `SPARK_CUDA_GEMV_MAX_ROWS=N` sends steps of more than N rows (at most 16) to cuBLAS instead
     /// of the GEMV kernels, `SPARK_CUDA_PINNED_READ=1` reads results back through page-locked
     /// memory; the experimental `SPARK_CUDA_PDL=1` launches kernels as programmatic dependent
@@ -314,6 +315,7 @@ impl CudaBackend {
                 graphs: !on("SPARK_CUDA_NO_GRAPHS"),
                 batch_attention: !on("SPARK_CUDA_NO_BATCH_ATTENTION"),
                 flash_prefill: !on("SPARK_CUDA_NO_FLASH"),
+                dense_prefill: !on("SPARK_CUDA_NO_DENSE"),
                 gemv_max_rows,
                 pinned_read: on("SPARK_CUDA_PINNED_READ") || d.pinned_read,
                 pdl: on("SPARK_CUDA_PDL") || d.pdl,
