@@ -1040,6 +1040,17 @@ template <int DPL> __device__ __forceinline__ void flash_scores(const Attn& A, c
     s[1][1] = rnd(rnd(a11, A.mode) * A.scale, A.mode);
 }
 
+// Key tile k0 into ts, once every thread is done with what ts and ps held (and, the first time,
+// the writes of qs, ms and is are complete), then this thread's 2 x 2 scores against it.
+template <int DPL>
+__device__ __forceinline__ void flash_key_tile(const Attn& A, const float* qs, float* ts, u32 k0, u32 k_hi, u32 kvh,
+                                               u32 sr, u32 sk, float s[2][2]) {
+    __syncthreads();
+    flash_tile<DPL>(A, ts, k0, k_hi, kvh, 0);
+    __syncthreads();
+    flash_scores<DPL>(A, qs, ts, sr, sk, s);
+}
+
 template <int DPL>
 __device__ void attn_flash_impl(const Attn& A, u32 n, float* out, u32 out_cols, int phase, float* stats,
                                 float* partial) {
@@ -1087,11 +1098,8 @@ __device__ void attn_flash_impl(const Attn& A, u32 n, float* out, u32 out_cols, 
         float m[2] = {SPARK_NEG_INF, SPARK_NEG_INF}, l[2] = {0.0f, 0.0f};
         for (u32 tile = t0; tile < t1; ++tile) {
             const u32 k0 = k_lo + tile * FLASH_KEYS;
-            __syncthreads();  // the tile's last readers (and, the first time, the q writers) are done
-            flash_tile<DPL>(A, ts, k0, k_hi, kvh, 0);
-            __syncthreads();
             float s[2][2];
-            flash_scores<DPL>(A, qs, ts, sr, sk, s);
+            flash_key_tile<DPL>(A, qs, ts, k0, k_hi, kvh, sr, sk, s);
 #pragma unroll
             for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -1142,11 +1150,8 @@ __device__ void attn_flash_impl(const Attn& A, u32 n, float* out, u32 out_cols, 
         for (int j = 0; j < DPL; ++j) acc[a][j] = 0.0f;
     for (u32 tile = t0; tile < t1; ++tile) {
         const u32 k0 = k_lo + tile * FLASH_KEYS;
-        __syncthreads();  // the V tile's and ps's last readers (and, the first time, ms/is writers) are done
-        flash_tile<DPL>(A, ts, k0, k_hi, kvh, 0);
-        __syncthreads();
         float s[2][2];
-        flash_scores<DPL>(A, qs, ts, sr, sk, s);
+        flash_key_tile<DPL>(A, qs, ts, k0, k_hi, kvh, sr, sk, s);
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll

@@ -613,7 +613,6 @@ impl CudaBackend {
         } else {
             (0, 0)
         };
-        let (kc, vc) = kv.ptrs(&self.stream);
         let grid = LaunchConfig {
             grid_dim: (u32_of(row_blocks, "attention row blocks")?, kvh as u32, nsplit as u32),
             block_dim: (kernels::FLASH_THREADS, 1, 1),
@@ -622,29 +621,16 @@ impl CudaBackend {
         let out_ptr = self.ptr_mut(out.buf_mut());
         // attn_flash(ATTN_PARAMS, n, out, out_cols, phase, stats, partial)
         let args = |phase: i32| -> Result<Vec<Arg>> {
-            Ok(vec![
-                Arg::Ptr(self.ptr(qkv.buf())),
-                Arg::Ptr(kc),
-                Arg::Ptr(vc),
-                Arg::U32(u32_of(qkv.cols, "qkv cols")?),
-                Arg::U32(u32_of(chunk.row, "row")?),
-                Arg::Stage(dyn_off),
-                Arg::U32(h as u32),
-                Arg::U32(kvh as u32),
-                Arg::U32(d as u32),
-                Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
-                Arg::U32(u32_of(kv.ring(), "ring")?),
-                Arg::U32(nsplit as u32),
-                Arg::I32(kv.is_bf16() as i32),
-                Arg::I32(md),
-                Arg::F32(shape.scale),
+            let mut a = self.attn_params(qkv, chunk, shape, kv, nsplit, md, dyn_off)?;
+            a.extend([
                 Arg::U32(u32_of(chunk.len, "chunk rows")?),
                 Arg::Ptr(out_ptr),
                 Arg::U32(u32_of(out.cols, "cols")?),
                 Arg::I32(phase),
                 Arg::Ptr(stats),
                 Arg::Ptr(partial),
-            ])
+            ]);
+            Ok(a)
         };
         if nsplit == 1 {
             self.launch(&self.k.attn_flash, "attn_flash", grid, &args(0)?)?;
@@ -652,32 +638,84 @@ impl CudaBackend {
         }
         self.launch(&self.k.attn_flash, "attn_flash", grid, &args(1)?)?;
         self.launch(&self.k.attn_flash, "attn_flash", grid, &args(2)?)?;
+        // The splits summed, and the KV append.
+        self.launch_reduce(qkv, chunk, shape, kv, partial, (out_ptr, out.cols), nsplit, md, dyn_off)?;
+        Ok(true)
+    }
+
+    /// The `ATTN_PARAMS` arguments of the attention kernels for a chunk (kernels.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_params(
+        &self,
+        qkv: &CudaTensor,
+        chunk: AttnChunk,
+        shape: AttnShape,
+        kv: &CudaKv,
+        nsplit: usize,
+        md: i32,
+        dyn_off: u32,
+    ) -> Result<Vec<Arg>> {
+        let (kc, vc) = kv.ptrs(&self.stream);
+        Ok(vec![
+            Arg::Ptr(self.ptr(qkv.buf())),
+            Arg::Ptr(kc),
+            Arg::Ptr(vc),
+            Arg::U32(u32_of(qkv.cols, "qkv cols")?),
+            Arg::U32(u32_of(chunk.row, "row")?),
+            Arg::Stage(dyn_off),
+            Arg::U32(shape.n_heads as u32),
+            Arg::U32(shape.n_kv_heads as u32),
+            Arg::U32(shape.head_dim as u32),
+            Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
+            Arg::U32(u32_of(kv.ring(), "ring")?),
+            Arg::U32(u32_of(nsplit, "splits")?),
+            Arg::I32(kv.is_bf16() as i32),
+            Arg::I32(md),
+            Arg::F32(shape.scale),
+        ])
+    }
+
+    /// Record `attn_reduce`: out = rnd(sum over the `nsplit` splits of `partial`) for the
+    /// chunk's rows, then the chunk's KV append (see kernels.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_reduce(
+        &self,
+        qkv: &CudaTensor,
+        chunk: AttnChunk,
+        shape: AttnShape,
+        kv: &CudaKv,
+        partial: u64,
+        out: (u64, usize),
+        nsplit: usize,
+        md: i32,
+        dyn_off: u32,
+    ) -> Result<()> {
+        let (kc, vc) = kv.ptrs(&self.stream);
         // attn_reduce(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode, qkv, kc, vc,
-        // qkv_cols, dyn = [start, first], n_kv_heads, ring, kv_bf16): also the KV append.
+        // qkv_cols, dyn = [start, first], n_kv_heads, ring, kv_bf16)
         self.launch(
             &self.k.attn_reduce,
             "attn_reduce",
-            cfg((u32_of(rows_h, "attention rows")?, 1), ATTN_THREADS, 0),
+            cfg((u32_of(chunk.len * shape.n_heads, "attention rows")?, 1), ATTN_THREADS, 0),
             &[
                 Arg::Ptr(partial),
-                Arg::Ptr(out_ptr),
-                Arg::U32(u32_of(out.cols, "cols")?),
-                Arg::U32(chunk.row as u32),
-                Arg::U32(h as u32),
-                Arg::U32(d as u32),
+                Arg::Ptr(out.0),
+                Arg::U32(u32_of(out.1, "cols")?),
+                Arg::U32(u32_of(chunk.row, "row")?),
+                Arg::U32(shape.n_heads as u32),
+                Arg::U32(shape.head_dim as u32),
                 Arg::U32(nsplit as u32),
                 Arg::I32(md),
                 Arg::Ptr(self.ptr(qkv.buf())),
                 Arg::Ptr(kc),
                 Arg::Ptr(vc),
-                Arg::U32(qkv.cols as u32),
+                Arg::U32(u32_of(qkv.cols, "qkv cols")?),
                 Arg::Stage(dyn_off),
-                Arg::U32(kvh as u32),
-                Arg::U32(kv.ring() as u32),
+                Arg::U32(shape.n_kv_heads as u32),
+                Arg::U32(u32_of(kv.ring(), "ring")?),
                 Arg::I32(kv.is_bf16() as i32),
             ],
-        )?;
-        Ok(true)
+        )
     }
 
     /// CUDA graphs captured so far, and steps run as a graph.
@@ -1277,24 +1315,7 @@ impl Backend for CudaBackend {
             // which takes the scratch lock itself.
             drop(s);
             self.step().keep.extend(keep);
-            let (kc, vc) = kv.ptrs(&self.stream);
-            let common = [
-                Arg::Ptr(self.ptr(qkv.buf())),
-                Arg::Ptr(kc),
-                Arg::Ptr(vc),
-                Arg::U32(u32_of(qkv.cols, "qkv cols")?),
-                Arg::U32(u32_of(chunk.row, "row")?),
-                Arg::Stage(dyn_off),
-                Arg::U32(h as u32),
-                Arg::U32(kvh as u32),
-                Arg::U32(d as u32),
-                Arg::U32(u32_of(shape.window.unwrap_or(0), "window")?),
-                Arg::U32(u32_of(kv.ring(), "ring")?),
-                Arg::U32(nsplit as u32),
-                Arg::I32(kv.is_bf16() as i32),
-                Arg::I32(md),
-                Arg::F32(shape.scale),
-            ];
+            let common = self.attn_params(qkv, chunk, shape, kv, nsplit, md, dyn_off)?;
             let grid = (u32_of(rows_h, "attention rows")?, nsplit as u32);
             let d4 = (d * 4) as u32;
             if scored {
@@ -1318,31 +1339,9 @@ impl Backend for CudaBackend {
                 let shared = d4 * (1 + ATTN_THREADS / 32);
                 self.launch(&self.k.attn_accum, "attn_accum", cfg(grid, ATTN_THREADS, shared), &a)?;
             }
-            // attn_reduce(partial, out, out_cols, row0, n_heads, head_dim, nsplit, mode, qkv, kc, vc,
-            // qkv_cols, dyn = [start, first], n_kv_heads, ring, kv_bf16): also the KV append.
-            self.launch(
-                &self.k.attn_reduce,
-                "attn_reduce",
-                cfg((grid.0, 1), ATTN_THREADS, 0),
-                &[
-                    Arg::Ptr(partial),
-                    Arg::Ptr(self.ptr_mut(out.buf_mut())),
-                    Arg::U32(u32_of(out.cols, "cols")?),
-                    Arg::U32(chunk.row as u32),
-                    Arg::U32(h as u32),
-                    Arg::U32(d as u32),
-                    Arg::U32(nsplit as u32),
-                    Arg::I32(md),
-                    Arg::Ptr(self.ptr(qkv.buf())),
-                    Arg::Ptr(kc),
-                    Arg::Ptr(vc),
-                    Arg::U32(qkv.cols as u32),
-                    Arg::Stage(dyn_off),
-                    Arg::U32(kvh as u32),
-                    Arg::U32(kv.ring() as u32),
-                    Arg::I32(kv.is_bf16() as i32),
-                ],
-            )?;
+            // attn_reduce: the splits summed, and the KV append.
+            let out_ptr = self.ptr_mut(out.buf_mut());
+            self.launch_reduce(qkv, chunk, shape, kv, partial, (out_ptr, out.cols), nsplit, md, dyn_off)?;
             kv.len = end;
             return Ok(());
         }

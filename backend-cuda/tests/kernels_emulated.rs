@@ -367,6 +367,64 @@ impl Cache {
     }
 }
 
+/// The `ATTN_PARAMS` slots of a case (kernels.cu), in rounding mode `mode`.
+#[allow(clippy::too_many_arguments)]
+fn attn_params(c: &Case, qkv: &[f32], kw: &Cache, vw: &Cache, dynv: &[u32; 2], nsplit: usize, mode: u64) -> Vec<u64> {
+    vec![
+        p(qkv),
+        kw.arg(),
+        vw.arg(),
+        u(c.cols()),
+        u(c.row0),
+        p(dynv),
+        u(c.nh),
+        u(c.nkv),
+        u(c.d),
+        u(c.window),
+        u(c.ring),
+        u(nsplit),
+        c.bf16_cache as u64,
+        mode,
+        f(1.0 / (c.d as f32).sqrt()),
+    ]
+}
+
+/// Runs attn_reduce over a case's `nsplit` partial sums into `out` (which also appends the
+/// chunk's K/V to the caches).
+#[allow(clippy::too_many_arguments)]
+fn run_reduce(
+    emu: &Emu,
+    c: &Case,
+    qkv: &[f32],
+    kw: &Cache,
+    vw: &Cache,
+    dynv: &[u32; 2],
+    partial: &[f32],
+    out: &[f32],
+    nsplit: usize,
+    mode: u64,
+) {
+    let args = [
+        p(partial),
+        p(out),
+        u(c.nh * c.d),
+        u(c.row0),
+        u(c.nh),
+        u(c.d),
+        u(nsplit),
+        mode,
+        p(qkv),
+        kw.arg(),
+        vw.arg(),
+        u(c.cols()),
+        p(dynv),
+        u(c.nkv),
+        u(c.ring),
+        c.bf16_cache as u64,
+    ];
+    emu.launch("attn_reduce", ((c.nq * c.nh) as u32, 1, 1), 128, 0, &args);
+}
+
 /// Runs the case through the two-pass kernels (`scored == false`: attn_stats, attn_accum) or the
 /// scored ones (attn_scores, attn_pv), then attn_reduce, which also appends the chunk's K/V.
 /// Returns the attention output rows and the caches afterwards (as f32).
@@ -385,23 +443,7 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
     let end = c.start + c.nq;
     let max_keys = if c.window > 0 { c.window.min(end) } else { end };
     let scores = vec![0.0f32; rows_h * max_keys];
-    let common = [
-        p(&qkv),
-        kw.arg(),
-        vw.arg(),
-        u(c.cols()),
-        u(c.row0),
-        p(&dynv),
-        u(c.nh),
-        u(c.nkv),
-        u(c.d),
-        u(c.window),
-        u(c.ring),
-        u(nsplit),
-        c.bf16_cache as u64,
-        0,
-        f(scale),
-    ];
+    let common = attn_params(c, &qkv, &kw, &vw, &dynv, nsplit, 0);
     let grid = (rows_h as u32, nsplit as u32, 1);
     let d4 = (c.d * 4) as u32;
     if scored {
@@ -419,30 +461,7 @@ fn run_case(emu: &Emu, c: &Case, nsplit: usize, scored: bool, seed: u64) -> (Vec
         a.extend([p(&stats), p(&partial)]);
         emu.launch("attn_accum", grid, 128, d4 * 5, &a);
     }
-    emu.launch(
-        "attn_reduce",
-        (rows_h as u32, 1, 1),
-        128,
-        0,
-        &[
-            p(&partial),
-            p(&out),
-            u(out_cols),
-            u(c.row0),
-            u(c.nh),
-            u(c.d),
-            u(nsplit),
-            0,
-            p(&qkv),
-            kw.arg(),
-            vw.arg(),
-            u(c.cols()),
-            p(&dynv),
-            u(c.nkv),
-            u(c.ring),
-            c.bf16_cache as u64,
-        ],
-    );
+    run_reduce(emu, c, &qkv, &kw, &vw, &dynv, &partial, &out, nsplit, 0);
     let got = out[c.row0 * out_cols..].to_vec();
     // The caches as they must be after the append: the chunk's K/V at their slots.
     let (mut k_after, mut v_after) = (k, v);
@@ -494,34 +513,13 @@ fn run_flash(emu: &Emu, c: &Case, data: &(Vec<f32>, Vec<f32>, Vec<f32>), mode: u
     let out_cols = c.nh * c.d;
     let out = vec![f32::NAN; (c.row0 + c.nq) * out_cols];
     let dynv = [c.start as u32, c.start as u32];
-    let scale = 1.0 / (c.d as f32).sqrt();
     let rows = c.nq * (c.nh / c.nkv);
     let stats = vec![f32::NAN; 2 * rows * c.nkv * nsplit];
     let partial = vec![f32::NAN; c.nq * c.nh * nsplit * c.d];
     let args = |phase: u64| {
-        vec![
-            p(qkv),
-            kw.arg(),
-            vw.arg(),
-            u(c.cols()),
-            u(c.row0),
-            p(&dynv),
-            u(c.nh),
-            u(c.nkv),
-            u(c.d),
-            u(c.window),
-            u(c.ring),
-            u(nsplit),
-            c.bf16_cache as u64,
-            mode,
-            f(scale),
-            u(c.nq),
-            p(&out),
-            u(out_cols),
-            phase,
-            p(&stats),
-            p(&partial),
-        ]
+        let mut a = attn_params(c, qkv, &kw, &vw, &dynv, nsplit, mode);
+        a.extend([u(c.nq), p(&out), u(out_cols), phase, p(&stats), p(&partial)]);
+        a
     };
     let grid = (rows.div_ceil(32) as u32, c.nkv as u32, nsplit as u32);
     if nsplit == 1 {
@@ -533,30 +531,7 @@ fn run_flash(emu: &Emu, c: &Case, data: &(Vec<f32>, Vec<f32>, Vec<f32>), mode: u
     assert_eq!(&kw.values(), k, "attn_flash changed the K cache");
     assert_eq!(&vw.values(), v, "attn_flash changed the V cache");
     if nsplit > 1 {
-        emu.launch(
-            "attn_reduce",
-            ((c.nq * c.nh) as u32, 1, 1),
-            128,
-            0,
-            &[
-                p(&partial),
-                p(&out),
-                u(out_cols),
-                u(c.row0),
-                u(c.nh),
-                u(c.d),
-                u(nsplit),
-                mode,
-                p(qkv),
-                kw.arg(),
-                vw.arg(),
-                u(c.cols()),
-                p(&dynv),
-                u(c.nkv),
-                u(c.ring),
-                c.bf16_cache as u64,
-            ],
-        );
+        run_reduce(emu, c, qkv, &kw, &vw, &dynv, &partial, &out, nsplit, mode);
     }
     assert!(out[..c.row0 * out_cols].iter().all(|v| v.is_nan()), "attn_flash wrote rows before the chunk");
     out[c.row0 * out_cols..].to_vec()
