@@ -120,7 +120,8 @@ extern "C" __global__ void embed_bf16(const bf16_t* table, const u32* ids, float
 // Every norm kernel sums a row's squares with one partition and order, so that they agree bit
 // for bit (the fused and the separate kernels are compared for equality): where cols % 4 == 0,
 // thread t takes the groups of four values at 4 (t + k blockDim.x) for k = 0, 1, ..., each
-// group in order; else the values t + k blockDim.x. Then block_sum. `row_at(j)` is value j.
+// group in order; else the values t + k blockDim.x. Then block_sum. `row_at(j)` is value j; it
+// is called once per j, so it may also store what it computes (the residual add).
 template <typename F> __device__ __forceinline__ float row_sumsq(u32 cols, F row_at) {
     float ss = 0.0f;
     if (cols % 4 == 0) {
@@ -202,10 +203,13 @@ __device__ void norm_row_any(const float* in, const float* add, float* h, const 
                              float eps, int mode) {
     PDL_ENTER();
     const float* src = add ? h : in;
-    if (add)
-        for (u32 j = threadIdx.x; j < cols; j += blockDim.x) h[j] = in[j] + add[j];
-    __syncthreads();
-    const float ss = row_sumsq(cols, [&](u32 j) { return src[j]; }) / (float)cols;
+    const float ss = row_sumsq(cols, [&](u32 j) {
+                         if (!add) return in[j];
+                         const float v = in[j] + add[j];
+                         h[j] = v;
+                         return v;
+                     }) /
+                     (float)cols;
     const float r = 1.0f / sqrtf(ss + eps);
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) out[j] = rnd(w[j] * (src[j] * r), mode);
 }
@@ -243,17 +247,19 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, 
 }
 
 // h += x, then out = rms_norm(h) as above (the residual add fused with the next norm: the same
-// sums as add_inplace then rms_norm). A thread reads back only the h values it wrote or, after
-// the barrier, any.
+// sums as add_inplace then rms_norm). The output loop reads h after block_sum's barriers.
 extern "C" __global__ void add_rms_norm(float* h, const float* x, const float* w, float* out, u32 cols, float eps,
                                         int mode) {
     PDL_ENTER();
     float* hr = h + (u64)blockIdx.x * cols;
     const float* xr = x + (u64)blockIdx.x * cols;
     float* orow = out + (u64)blockIdx.x * cols;
-    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) hr[j] = hr[j] + xr[j];
-    __syncthreads();
-    const float ss = row_sumsq(cols, [&](u32 j) { return hr[j]; }) / (float)cols;
+    const float ss = row_sumsq(cols, [&](u32 j) {
+                         const float v = hr[j] + xr[j];
+                         hr[j] = v;
+                         return v;
+                     }) /
+                     (float)cols;
     const float r = 1.0f / sqrtf(ss + eps);
     for (u32 j = threadIdx.x; j < cols; j += blockDim.x) orow[j] = rnd(w[j] * (hr[j] * r), mode);
 }
