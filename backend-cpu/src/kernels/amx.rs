@@ -27,7 +27,7 @@
 #![cfg(target_arch = "x86_64")]
 
 use std::arch::asm;
-use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -61,7 +61,8 @@ const TILE_U16: usize = 512;
 pub fn available() -> bool {
     static A: OnceLock<bool> = OnceLock::new();
     *A.get_or_init(|| {
-        if !is_x86_feature_detected!("avx512f") {
+        // AVX-512F/BW pack the tiles ([`pack_activations`], [`put_tile`]); every AMX processor has them.
+        if !is_x86_feature_detected!("avx512f") || !is_x86_feature_detected!("avx512bw") {
             return false;
         }
         // cpuid leaf 7 exists on every x86-64 processor with AVX-512F.
@@ -138,40 +139,147 @@ pub(super) unsafe fn release() {
     asm!("tilerelease", options(nostack, nomem));
 }
 
-/// f32 to bf16 bits, round to nearest even (inputs here are already bf16 values, so exact).
-#[inline]
-fn bf16_bits(v: f32) -> u16 {
-    let b = v.to_bits();
-    if v.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
 /// Pack `x` `[n, k]` into B tiles: for token block `tb` and k step `s`, tile
 /// `(tb * ksteps + s)` holds `u32` pairs `[r][t] = (x[16 tb + t][32 s + 2r], ..+1)`; tokens past
 /// `n` are zero. `xp` is resized to fit (a buffer reused across calls).
 fn pack_activations(x: &[f32], n: usize, k: usize, xp: &mut Vec<u16>) {
     let ksteps = k / KS;
     let tblocks = n.div_ceil(16);
-    xp.clear();
+    // Every tile is written whole below (zero pairs for missing tokens), so a reused buffer
+    // needs no clearing.
     xp.resize(tblocks * ksteps * TILE_U16, 0);
+    xp.truncate(tblocks * ksteps * TILE_U16);
     let block = |(tb, dst): (usize, &mut [u16])| {
-        for t in 0..16.min(n - tb * 16) {
-            let row = &x[(tb * 16 + t) * k..(tb * 16 + t + 1) * k];
-            for (s, tile) in dst.chunks_exact_mut(TILE_U16).enumerate() {
-                let seg = &row[s * KS..(s + 1) * KS];
-                for r in 0..16 {
-                    tile[r * 32 + t * 2] = bf16_bits(seg[2 * r]);
-                    tile[r * 32 + t * 2 + 1] = bf16_bits(seg[2 * r + 1]);
-                }
-            }
+        let rows = &x[tb * 16 * k..((tb + 1) * 16).min(n) * k];
+        for (s, tile) in dst.chunks_exact_mut(TILE_U16).enumerate() {
+            // SAFETY: AVX-512F/BW are present ([`available`], which every caller checked);
+            // `rows` holds whole rows of `k >= 32 (s + 1)` values.
+            unsafe { pack_tile(rows, k, s * KS, tile) };
         }
     };
     if tblocks > 1 {
         xp.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(block);
     } else {
         block((0, &mut xp[..]));
+    }
+}
+
+/// One B tile: `tile[r][t] = (bf16(rows[t][c0 + 2r]), bf16(rows[t][c0 + 2r + 1]))` for the
+/// `rows.len() / k <= 16` tokens of `rows` (`k` values each); the other tokens' pairs are zero.
+/// Rounds to nearest even as [`spark_core::dtype::round_bf16`] (NaN quieted).
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present; `c0 + 32 <= k`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_tile(rows: &[f32], k: usize, c0: usize, tile: &mut [u16]) {
+    debug_assert!(tile.len() == TILE_U16 && c0 + KS <= k);
+    // Word 2i + 1 of (lo, hi): the high halves, i.e. the bf16 of element i of the 32.
+    let odd_words = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9,
+        7, 5, 3, 1,
+    );
+    let mut v = [_mm512_setzero_si512(); 16];
+    for (t, row) in rows.chunks_exact(k).enumerate() {
+        let seg = row[c0..c0 + KS].as_ptr();
+        let lo = round_bf16_high(_mm512_loadu_ps(seg));
+        let hi = round_bf16_high(_mm512_loadu_ps(seg.add(16)));
+        v[t] = _mm512_permutex2var_epi16(lo, odd_words, hi);
+    }
+    let v = transpose16(v);
+    for (r, row) in v.iter().enumerate() {
+        _mm512_storeu_si512(tile.as_mut_ptr().add(r * 32).cast(), *row);
+    }
+}
+
+/// `x` rounded to bf16 in the high 16 bits of each lane, as [`spark_core::dtype::round_bf16`]
+/// (the low 16 bits are garbage).
+///
+/// # Safety
+/// AVX-512F is present.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn round_bf16_high(x: __m512) -> __m512i {
+    let b = _mm512_castps_si512(x);
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+    let rounded = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    _mm512_mask_or_epi32(rounded, nan, b, _mm512_set1_epi32(0x40_0000))
+}
+
+/// Transpose 16 x 16 32-bit lanes: `out[c]` lane `r` = `v[r]` lane `c`.
+///
+/// # Safety
+/// AVX-512F is present.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16(v: [__m512i; 16]) -> [__m512i; 16] {
+    // Plain loops, not closures: a closure does not inherit this function's target features, so
+    // it would not inline and would pass its vectors through memory.
+    let mut r = [_mm512_setzero_ps(); 16];
+    for i in 0..16 {
+        r[i] = _mm512_castsi512_ps(v[i]);
+    }
+    // Within 128-bit lanes: t[2i] / t[2i + 1] interleave rows 2i and 2i + 1.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + c], 128-bit lane l: column 4l + c of rows 4i..4i + 4.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        u[4 * i] = _mm512_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_shuffle_ps::<0xee>(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_shuffle_ps::<0xee>(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // Gather the four row groups' 128-bit lanes: column 4l + c = lanes l of u[c], u[4 + c],
+    // u[8 + c], u[12 + c].
+    let mut out = [_mm512_setzero_si512(); 16];
+    for c in 0..4 {
+        let v01 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+        let w01 = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
+        let v23 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+        let w23 = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
+        out[c] = _mm512_castps_si512(_mm512_shuffle_f32x4::<0x88>(v01, v23));
+        out[8 + c] = _mm512_castps_si512(_mm512_shuffle_f32x4::<0xdd>(v01, v23));
+        out[4 + c] = _mm512_castps_si512(_mm512_shuffle_f32x4::<0x88>(w01, w23));
+        out[12 + c] = _mm512_castps_si512(_mm512_shuffle_f32x4::<0xdd>(w01, w23));
+    }
+    out
+}
+
+/// Write C tile `tile` (16 weight rows x 16 tokens, f32) rounded to `round`: token `j < tokens`
+/// gets its `rows` outputs at `out[base + j * m..][..rows]`.
+///
+/// # Safety
+/// AVX-512F is present; those cells are inside the output and written by no other thread.
+#[target_feature(enable = "avx512f")]
+unsafe fn put_tile(out: SharedOut, tile: &[f32; 256], tokens: usize, base: usize, m: usize, rows: usize, round: DType) {
+    debug_assert!(tokens <= 16 && rows <= 16);
+    let mut rows_in = [_mm512_setzero_si512(); 16];
+    for (i, row) in rows_in.iter_mut().enumerate() {
+        *row = _mm512_loadu_si512(tile.as_ptr().add(16 * i).cast());
+    }
+    let v = transpose16(rows_in);
+    let mask: __mmask16 = ((1u32 << rows) - 1) as u16;
+    for (j, col) in v.iter().enumerate().take(tokens) {
+        let dst = out.get().add(base + j * m);
+        match round {
+            DType::F32 => _mm512_mask_storeu_ps(dst, mask, _mm512_castsi512_ps(*col)),
+            DType::BF16 => {
+                let x = _mm512_castsi512_ps(*col);
+                let r = _mm512_and_si512(round_bf16_high(x), _mm512_set1_epi32(0xffff_0000u32 as i32));
+                _mm512_mask_storeu_ps(dst, mask, _mm512_castsi512_ps(r));
+            }
+            DType::F16 => {
+                let mut vals = [0.0f32; 16];
+                _mm512_storeu_ps(vals.as_mut_ptr(), _mm512_castsi512_ps(*col));
+                for (i, &v) in vals.iter().enumerate().take(rows) {
+                    *dst.add(i) = round.round(v);
+                }
+            }
+        }
     }
 }
 
@@ -185,10 +293,20 @@ thread_local! {
     static PACKED_X: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
+thread_local! {
+    /// The packed weight slice and the C accumulators of [`matmul_packed`]'s blocked path, kept
+    /// between calls on this thread (their sizes depend only on the row chunk and token count).
+    static BLOCK_BUFS: RefCell<(Vec<u16>, Vec<[f32; 256]>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Copy weight rows `rb..rb+valid` (zero rows up to 32), k steps `s0..s0+ns`, into A tiles:
 /// tile `(a * ns + s)` holds rows `rb + 16a ..+16`, columns `32 (s0 + s)..+32`, 64 bytes per row.
 /// Contiguous tiles stay in L1 (rows 4 KiB apart in place would all map to the same L1 sets).
-fn pack_weights(w: Weights<'_>, k: usize, rb: usize, valid: usize, s0: usize, ns: usize, apack: &mut [u16]) {
+///
+/// # Safety
+/// AVX-512F is present.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_weights(w: Weights<'_>, k: usize, rb: usize, valid: usize, s0: usize, ns: usize, apack: &mut [u16]) {
     let mut row = vec![0u16; ns * KS];
     for r in 0..MB {
         let (a, i) = (r / 16, r % 16);
@@ -201,7 +319,9 @@ fn pack_weights(w: Weights<'_>, k: usize, rb: usize, valid: usize, s0: usize, ns
                 }
             };
             for (s, seg) in src.chunks_exact(KS).enumerate() {
-                apack[(a * ns + s) * TILE_U16 + i * 32..][..32].copy_from_slice(seg);
+                let dst = &mut apack[(a * ns + s) * TILE_U16 + i * 32..][..KS];
+                // SAFETY: both sides are 32 u16 (64 bytes) in bounds.
+                unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), _mm512_loadu_si512(seg.as_ptr().cast())) };
             }
         } else {
             for s in 0..ns {
@@ -418,8 +538,13 @@ unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize
         // Cache blocking: k in slices of KC_STEPS steps (outer), so the activations' slice
         // (n x 512 bf16) stays in L2 across all row blocks and each row block's weight slice
         // (32 x 512 bf16) in L1 across all token blocks; C accumulates in `cbuf` between slices.
-        let mut apack = vec![0u16; 2 * KC_STEPS * TILE_U16];
-        let mut cbuf = vec![[0.0f32; 256]; rblocks * tpairs * 4];
+        // Reused per thread (a fresh 0.5 MiB C buffer per call cost page faults); every C tile is
+        // set by its first k slice (`tilezero`) before it is read, the packed weights by their
+        // pack.
+        let mut bufs = BLOCK_BUFS.with(|b| b.take());
+        let (apack, cbuf) = &mut bufs;
+        apack.resize(2 * KC_STEPS * TILE_U16, 0);
+        cbuf.resize(rblocks * tpairs * 4, [0.0; 256]);
         for s0 in (0..ksteps).step_by(KC_STEPS) {
             let ns = KC_STEPS.min(ksteps - s0);
             for rbi in 0..rblocks {
@@ -430,7 +555,8 @@ unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize
                 let (w0, w1, a_step, a_stride) = if let (Weights::Bf16(w), true) = (w, in_place) {
                     (w[rb * k + s0 * KS..].as_ptr(), w[(rb + 16) * k + s0 * KS..].as_ptr(), KS, 2 * k)
                 } else {
-                    pack_weights(w, k, rb, valid, s0, ns, &mut apack);
+                    // SAFETY: AVX-512F ([`available`]).
+                    unsafe { pack_weights(w, k, rb, valid, s0, ns, apack) };
                     (apack.as_ptr(), apack[ns * TILE_U16..].as_ptr(), TILE_U16, 64)
                 };
                 // The next slice to pack (the next row block, or the first one of the next k
@@ -458,31 +584,25 @@ unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize
                     // (packed, or 16 full rows of k in place from column 32 s0), b0/b1 ns packed
                     // tiles from step s0 of their token block; c holds four 16 x 16 f32 tiles.
                     unsafe { block(w0, w1, a_step, a_stride, b0, b1, ns, c, s0 == 0) };
-                }
-            }
-        }
-        // C is [row][token]; out is [token][row]: write each token's run of rows.
-        for rbi in 0..rblocks {
-            let rb = r0 + rbi * MB;
-            let valid = MB.min(r1 - rb);
-            for tp in 0..tpairs {
-                let c = &cbuf[(rbi * tpairs + tp) * 4..][..4];
-                for b in 0..2 {
-                    for j in 0..16 {
-                        let t = (2 * tp + b) * 16 + j;
-                        if t >= n {
-                            break;
-                        }
-                        for a in 0..2 {
+                    if s0 + ns == ksteps {
+                        // The last k slice: C is final and in L1. C is [row][token], out
+                        // [token][row]: each tile goes out transposed.
+                        for (i, tile) in c.iter().enumerate() {
+                            let (a, b) = (i / 2, i % 2);
+                            let t0 = (tb + b) * 16;
+                            let tokens = 16.min(n.saturating_sub(t0));
                             let rows = 16.min(valid.saturating_sub(16 * a));
-                            // SAFETY: t < n; rows rb + 16a .. + rows lie in [r0, r1), this
-                            // task's rows.
-                            unsafe { put_column(outp, &c[2 * a + b], j, t * m + rb + 16 * a, rows, round) };
+                            if tokens > 0 && rows > 0 {
+                                // SAFETY: AVX-512F ([`available`]); tokens t0 .. t0 + tokens <= n,
+                                // rows rb + 16a .. + rows lie in [r0, r1), this task's rows.
+                                unsafe { put_tile(outp, tile, tokens, t0 * m + rb + 16 * a, m, rows, round) };
+                            }
                         }
                     }
                 }
             }
         }
+        BLOCK_BUFS.with(|b| b.replace(bufs));
     };
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
         let (mut r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
@@ -497,10 +617,9 @@ unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize
                 // rows of k bf16 (r0 + 16 <= r1 <= m); xp holds ksteps packed tiles of the one
                 // block.
                 unsafe { block_rows16(wb[r0 * k..].as_ptr(), 2 * k, xp.as_ptr(), ksteps, &mut c) };
-                for t in 0..n {
-                    // SAFETY: t < n; rows r0 .. r0 + 16 lie in [r0, r1), this task's rows.
-                    unsafe { put_column(outp, &c, t, t * m + r0, 16, round) };
-                }
+                // SAFETY: AVX-512F ([`available`]); tokens 0..n, rows r0 .. r0 + 16 lie in
+                // [r0, r1), this task's rows.
+                unsafe { put_tile(outp, &c, n, r0, m, 16, round) };
                 r0 += 16;
             }
         }
@@ -512,14 +631,95 @@ unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize
     });
 }
 
-/// Write column `j` of C tile `tile` (rows x 16 tokens, f32) as `rows` consecutive outputs from
-/// `out[base]`, rounded.
-///
-/// # Safety
-/// `out[base..base + rows]` is inside the output and written by no other thread.
-#[inline(always)]
-unsafe fn put_column(out: SharedOut, tile: &[f32; 256], j: usize, base: usize, rows: usize, round: DType) {
-    for i in 0..rows {
-        out.put(base + i, round.round(tile[i * 16 + j]));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bit patterns that exercise the rounding: ties to even both ways, values just off a tie,
+    /// NaNs (quiet and signalling), infinities, a value that rounds up to infinity, denormals.
+    const SPECIAL: [u32; 12] = [
+        0x3f80_8000,
+        0x3f81_8000,
+        0x3f80_8001,
+        0x3f80_7fff,
+        0x7fc0_0001,
+        0xff80_0001,
+        0x7f80_0000,
+        0xff80_0000,
+        0x7f7f_ffff,
+        0x0000_8000,
+        0x8001_8000,
+        0x0000_0000,
+    ];
+
+    fn value(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let bits = (*seed >> 32) as u32;
+        if bits % 5 == 0 {
+            f32::from_bits(SPECIAL[(bits as usize / 5) % SPECIAL.len()])
+        } else {
+            f32::from_bits(bits & 0xbfff_ffff) // finite, any sign
+        }
+    }
+
+    fn bf16_bits(v: f32) -> u16 {
+        (spark_core::dtype::round_bf16(v).to_bits() >> 16) as u16
+    }
+
+    /// `pack_tile` puts token `t`'s pair `r` at `[r][t]`, rounded as `round_bf16`, with zero
+    /// pairs for the tokens it is not given.
+    #[test]
+    fn pack_tile_matches_scalar_packing() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AMX");
+            return;
+        }
+        let mut seed = 3u64;
+        let k = 96;
+        for tokens in [1usize, 7, 16] {
+            let x: Vec<f32> = (0..tokens * k).map(|_| value(&mut seed)).collect();
+            for c0 in [0, 32, 64] {
+                let mut tile = vec![0xaaaau16; TILE_U16];
+                // SAFETY: AVX-512F/BW come with AMX (`available`); c0 + 32 <= k.
+                unsafe { pack_tile(&x, k, c0, &mut tile) };
+                for r in 0..16 {
+                    for t in 0..16 {
+                        let want = if t < tokens {
+                            [bf16_bits(x[t * k + c0 + 2 * r]), bf16_bits(x[t * k + c0 + 2 * r + 1])]
+                        } else {
+                            [0, 0]
+                        };
+                        let got = [tile[r * 32 + 2 * t], tile[r * 32 + 2 * t + 1]];
+                        assert_eq!(got, want, "tokens {tokens} c0 {c0} [{r}][{t}]");
+                    }
+                }
+            }
+        }
+    }
+
+    /// `put_tile` writes column `j` of a C tile as token `j`'s run of outputs, rounded, and
+    /// nothing outside the given tokens and rows.
+    #[test]
+    fn put_tile_writes_rounded_columns_only() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AMX");
+            return;
+        }
+        let mut seed = 5u64;
+        let tile: [f32; 256] = std::array::from_fn(|_| value(&mut seed));
+        let m = 40;
+        for round in [DType::F32, DType::BF16, DType::F16] {
+            for (tokens, rows) in [(16usize, 16usize), (5, 16), (16, 3), (1, 1)] {
+                let base = 7;
+                let mut out = vec![-1.5f32; base + 16 * m];
+                // SAFETY: AVX-512F comes with AMX; tokens * m + rows cells from `base` fit.
+                unsafe { put_tile(SharedOut(out.as_mut_ptr()), &tile, tokens, base, m, rows, round) };
+                for (idx, &got) in out.iter().enumerate() {
+                    let (j, i) = ((idx.wrapping_sub(base)) / m, (idx.wrapping_sub(base)) % m);
+                    let want = if idx >= base && j < tokens && i < rows { round.round(tile[i * 16 + j]) } else { -1.5 };
+                    assert_eq!(got.to_bits(), want.to_bits(), "{round:?} tokens {tokens} rows {rows}: out[{idx}]");
+                }
+            }
+        }
     }
 }
