@@ -17,9 +17,16 @@
 //! (rows 4 KiB apart would all map to the same L1 sets), with C accumulated between slices.
 //! Quantized weights ([`Weights::Quant`]) are always dequantized into packed tiles.
 //!
-//! Measured on the project's 2-vCPU Sapphire Rapids VM: `tdpbf16ps` issues every ~7 ns, but a
-//! 1 KiB `tileloadd` costs ~20 ns even from L1, so the 2 x 2 kernel (one load per product) is
-//! load-bound at a few hundred GFLOP/s per core, 4-6x the AVX-512 f32 prefill kernel.
+//! Activations are packed, and C tiles written out, 16 x 16 at a time with AVX-512 transposes
+//! (`pack_tile`, `put_tile`); a C tile goes out right after its last k slice, still in L1.
+//!
+//! Measured on the project's 2-vCPU Sapphire Rapids VM (`scripts/amx-tile-model.c`): the tile
+//! unit runs at one of two rates about 3x apart, switching from run to run with nothing else
+//! running in the VM (most likely the host's other hyperthread sharing the core's AMX unit):
+//! `tdpbf16ps` every 7 or 15-20 ns, a 1 KiB `tileloadd` from L1 3.4 or 11-15 ns. The kernel's
+//! loop shape (2 x 2 C tiles, packed weights in L1, activations from L2, C reloaded every 512 k)
+//! reaches 600-630 GMAC/s per core at the fast rate and ~200 at the slow one, against ~1050 with
+//! every tile from L1 and ~1180 for the products alone.
 //!
 //! Linux gives a process the AMX tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 //! [`available`] asks once and reports false when the processor or the kernel says no.
@@ -61,7 +68,7 @@ const TILE_U16: usize = 512;
 pub fn available() -> bool {
     static A: OnceLock<bool> = OnceLock::new();
     *A.get_or_init(|| {
-        // AVX-512F/BW pack the tiles ([`pack_activations`], [`put_tile`]); every AMX processor has them.
+        // AVX-512F/BW pack the tiles (`pack_tile`, `put_tile`); every AMX processor has them.
         if !is_x86_feature_detected!("avx512f") || !is_x86_feature_detected!("avx512bw") {
             return false;
         }
