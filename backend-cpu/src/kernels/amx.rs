@@ -256,6 +256,9 @@ unsafe fn transpose16(v: [__m512i; 16]) -> [__m512i; 16] {
     out
 }
 
+/// Below this many tokens [`put_tile`] gathers columns rather than transposing.
+const GATHER_TOKENS: usize = 4;
+
 /// Write C tile `tile` (16 weight rows x 16 tokens, f32) rounded to `round`: token `j < tokens`
 /// gets its `rows` outputs at `out[base + j * m..][..rows]`.
 ///
@@ -264,11 +267,19 @@ unsafe fn transpose16(v: [__m512i; 16]) -> [__m512i; 16] {
 #[target_feature(enable = "avx512f")]
 unsafe fn put_tile(out: SharedOut, tile: &[f32; 256], tokens: usize, base: usize, m: usize, rows: usize, round: DType) {
     debug_assert!(tokens <= 16 && rows <= 16);
-    let mut rows_in = [_mm512_setzero_si512(); 16];
-    for (i, row) in rows_in.iter_mut().enumerate() {
-        *row = _mm512_loadu_si512(tile.as_ptr().add(16 * i).cast());
+    let mut v = [_mm512_setzero_si512(); 16];
+    if tokens < GATHER_TOKENS {
+        // Decode-sized: gather the few columns instead of transposing the whole tile.
+        let stride = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+        for (j, col) in v.iter_mut().enumerate().take(tokens) {
+            *col = _mm512_castps_si512(_mm512_i32gather_ps::<4>(stride, tile.as_ptr().add(j)));
+        }
+    } else {
+        for (i, row) in v.iter_mut().enumerate() {
+            *row = _mm512_loadu_si512(tile.as_ptr().add(16 * i).cast());
+        }
+        v = transpose16(v);
     }
-    let v = transpose16(rows_in);
     let mask: __mmask16 = ((1u32 << rows) - 1) as u16;
     for (j, col) in v.iter().enumerate().take(tokens) {
         let dst = out.get().add(base + j * m);
@@ -716,7 +727,7 @@ mod tests {
         let tile: [f32; 256] = std::array::from_fn(|_| value(&mut seed));
         let m = 40;
         for round in [DType::F32, DType::BF16, DType::F16] {
-            for (tokens, rows) in [(16usize, 16usize), (5, 16), (16, 3), (1, 1)] {
+            for (tokens, rows) in [(16usize, 16usize), (5, 16), (16, 3), (1, 1), (3, 16), (2, 7)] {
                 let base = 7;
                 let mut out = vec![-1.5f32; base + 16 * m];
                 // SAFETY: AVX-512F comes with AMX; tokens * m + rows cells from `base` fit.
