@@ -673,7 +673,7 @@ mod tests {
     fn value(seed: &mut u64) -> f32 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let bits = (*seed >> 32) as u32;
-        if bits % 5 == 0 {
+        if bits.is_multiple_of(5) {
             f32::from_bits(SPECIAL[(bits as usize / 5) % SPECIAL.len()])
         } else {
             f32::from_bits(bits & 0xbfff_ffff) // finite, any sign
