@@ -30,6 +30,24 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tilecfg;
 
+// One step's tile loads: weights into tmm4-5, activations into tmm6-7 (64-byte rows).
+#define LOAD_STEP(a0, a1, b0, b1) \
+    do {                          \
+        _tile_loadd(4, a0, 64);   \
+        _tile_loadd(5, a1, 64);   \
+        _tile_loadd(6, b0, 64);   \
+        _tile_loadd(7, b1, 64);   \
+    } while (0)
+
+// One step's four products into the C tiles tmm0-3.
+#define PRODUCTS()                \
+    do {                          \
+        _tile_dpbf16ps(0, 4, 6);  \
+        _tile_dpbf16ps(1, 4, 7);  \
+        _tile_dpbf16ps(2, 5, 6);  \
+        _tile_dpbf16ps(3, 5, 7);  \
+    } while (0)
+
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -67,44 +85,25 @@ int main(int argc, char **argv) {
     memset(cb, 0, (size_t)rblocks * tpairs * 4 * 1024);
     double t;
 
-    _tile_loadd(4, ap, 64);
-    _tile_loadd(5, ap + 512, 64);
-    _tile_loadd(6, xp, 64);
-    _tile_loadd(7, xp + 512, 64);
+    LOAD_STEP(ap, ap + 512, xp, xp + 512);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     t = now();
-    for (long i = 0; i < reps; i++) {
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
+    for (long i = 0; i < reps; i++) PRODUCTS();
     t = now() - t;
     printf("products:     %5.1f ns per tdpbf16ps, %5.0f GMAC/s\n", t / reps / 4 * 1e9, reps * 4 * 8192.0 / t * 1e-9);
 
     t = now();
-    for (long i = 0; i < reps; i++) {
-        _tile_loadd(4, ap, 64);
-        _tile_loadd(5, ap + 512, 64);
-        _tile_loadd(6, xp, 64);
-        _tile_loadd(7, xp + 512, 64);
-    }
+    for (long i = 0; i < reps; i++) LOAD_STEP(ap, ap + 512, xp, xp + 512);
     t = now() - t;
     printf("loads:        %5.1f ns per 1 KiB tileloadd (L1)\n", t / reps / 4 * 1e9);
 
     t = now();
     for (long i = 0; i < reps; i++) {
-        _tile_loadd(4, ap, 64);
-        _tile_loadd(5, ap + 512, 64);
-        _tile_loadd(6, xp, 64);
-        _tile_loadd(7, xp + 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        LOAD_STEP(ap, ap + 512, xp, xp + 512);
+        PRODUCTS();
     }
     t = now() - t;
     printf("2x2, L1:      %5.1f ns per step, %5.0f GMAC/s\n", t / reps * 1e9, reps * 4 * 8192.0 / t * 1e-9);
@@ -131,14 +130,8 @@ int main(int argc, char **argv) {
                     const uint16_t *b0 = xp + ((size_t)(2 * tp) * ksteps + s0) * 512;
                     const uint16_t *b1 = xp + ((size_t)(2 * tp + 1) * ksteps + s0) * 512;
                     for (int s = 0; s < kc; s++) {
-                        _tile_loadd(4, ap + s * 512, 64);
-                        _tile_loadd(5, ap + (kc + s) * 512, 64);
-                        _tile_loadd(6, b0 + s * 512, 64);
-                        _tile_loadd(7, b1 + s * 512, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        LOAD_STEP(ap + s * 512, ap + (kc + s) * 512, b0 + s * 512, b1 + s * 512);
+                        PRODUCTS();
                     }
                     _tile_stored(0, c, 64);
                     _tile_stored(1, c + 256, 64);
