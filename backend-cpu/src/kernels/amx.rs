@@ -311,6 +311,10 @@ thread_local! {
     static PACKED_X: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
+/// The largest C buffer [`BLOCK_BUFS`] keeps (8 MiB: the C of a 512-token row chunk of up to
+/// 4096 rows; the 1.7B shape's largest projection, 6656 rows, takes 1.6 MiB on 2 threads).
+const REUSE_C_BYTES: usize = 8 << 20;
+
 thread_local! {
     /// The packed weight slice and the C accumulators of [`matmul_packed`]'s blocked path, kept
     /// between calls on this thread (their sizes depend only on the row chunk and token count).
@@ -620,7 +624,11 @@ unsafe fn matmul_packed(xp: &[u16], n: usize, k: usize, w: Weights<'_>, m: usize
                 }
             }
         }
-        BLOCK_BUFS.with(|b| b.replace(bufs));
+        // Kept only up to REUSE_C_BYTES of C: a vocabulary-sized output (every token's logits)
+        // would otherwise hold tens of MiB per thread for the process's life.
+        if bufs.1.capacity() * 1024 <= REUSE_C_BYTES {
+            BLOCK_BUFS.with(|b| b.replace(bufs));
+        }
     };
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|ci| {
         let (mut r0, r1) = (ci * chunk, (ci * chunk + chunk).min(m));
