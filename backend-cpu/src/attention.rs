@@ -160,6 +160,11 @@ impl CpuKv {
 /// passes segment by segment, recomputing the scores (bit-identical, about twice the
 /// attention arithmetic) instead of an online softmax, which could not round the normalized
 /// probabilities to the activation type as the reference does.
+///
+/// With AMX and bf16 activations, chunks of at least [`AMX_MIN_QUERIES`] queries (prefill) run
+/// the products on AMX tiles instead ([`crate::kernels::attn_amx`]): the call's keys and values
+/// are packed once, blocks take up to 64 rows, and the scores and weighted values are sums of
+/// the same exact bf16 products in another order (the softmax and every rounding as above).
 pub fn attend(
     simd: Simd,
     qkv: &CpuTensor,
@@ -198,12 +203,19 @@ fn attend_with_budget(
     let ocols = out.cols;
     assert!(out.rows >= chunk.row + chunk.len && ocols == qd, "attend: output has the wrong shape");
     let threads = rayon::current_num_threads().max(1);
-    // Blocks as large as keep the pool busy: up to 8 queries x all heads of a KV group.
-    let mut qb = QUERY_BLOCK.min(chunk.len);
+    let packed = amx_pack(simd, qkv, chunk, shape, kv, round, tiles);
+    // Blocks as large as keep the pool busy: up to 8 queries x all heads of a KV group (with AMX
+    // tiles, up to 64 rows: every packed key and value then serves four row tiles).
+    let (query_block, hb_max) = match &packed {
+        Some(_) if group <= AMX_ROWS => (AMX_ROWS / group, group),
+        Some(_) => (AMX_ROWS, 1),
+        None => (QUERY_BLOCK, group),
+    };
+    let mut qb = query_block.min(chunk.len);
     while qb > 1 && chunk.len.div_ceil(qb) * shape.n_kv_heads < 2 * threads {
         qb /= 2;
     }
-    let hb = if chunk.len.div_ceil(qb) * shape.n_kv_heads >= 2 * threads { group } else { 1 };
+    let hb = if chunk.len.div_ceil(qb) * shape.n_kv_heads >= 2 * threads { hb_max } else { 1 };
     let qblocks = chunk.len.div_ceil(qb);
     let hblocks = shape.n_heads / hb;
     let outp = SharedOut(out.data.as_mut_ptr());
@@ -213,8 +225,110 @@ fn attend_with_budget(
         let i1 = (i0 + qb).min(chunk.len);
         let h0 = hi * hb;
         let rows = Block { i0, i1, h0, h1: h0 + hb, kvh: h0 / group };
-        attend_block(simd, qkv, chunk, shape, kv, rows, round, scratch, outp, ocols, score_budget, tiles);
+        let args = BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx: packed.as_ref() };
+        attend_block(simd, &args, rows, scratch);
     });
+}
+
+/// Rows of an AMX attention block at most.
+#[cfg(target_arch = "x86_64")]
+const AMX_ROWS: usize = crate::kernels::attn_amx::ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+const AMX_ROWS: usize = 64;
+
+/// A call's keys and values packed into AMX tiles (x86-64 only; elsewhere no value exists).
+#[cfg(target_arch = "x86_64")]
+type Packed = crate::kernels::attn_amx::PackedKv;
+#[cfg(not(target_arch = "x86_64"))]
+enum Packed {}
+
+/// Queries per call from which attention runs on AMX tiles (fewer: decode, whose blocks have
+/// too few rows to fill a tile, stays on the f32 loops).
+const AMX_MIN_QUERIES: usize = 16;
+
+/// The most bytes of packed keys and values one call holds (64 MiB: 32k positions of the 1.7B
+/// shape's two KV heads of 256); a longer span (full layers deep into a long context) runs
+/// the f32 loops.
+const AMX_PACK_BUDGET: usize = 64 << 20;
+
+/// Key (`value` false) or value row of KV head `kvh` at `pos`: from the chunk's own fused QKV
+/// activations at `pos >= chunk.start_pos`, else from the cache.
+fn kv_row<'a>(
+    qkv: &'a CpuTensor,
+    chunk: AttnChunk,
+    shape: AttnShape,
+    kv: &'a CpuKv,
+    value: bool,
+    kvh: usize,
+    pos: usize,
+) -> Row<'a> {
+    let d = shape.head_dim;
+    let qd = shape.n_heads * d;
+    let kvd = shape.n_kv_heads * d;
+    if pos >= chunk.start_pos {
+        let r = &qkv.data[(chunk.row + pos - chunk.start_pos) * qkv.cols..][..qkv.cols];
+        let off = qd + if value { kvd } else { 0 } + kvh * d;
+        Row::F32(&r[off..off + d])
+    } else {
+        let store = if value { &kv.v } else { &kv.k };
+        store.row(kv.slot(pos), kvd, kvd).slice(kvh * d, d)
+    }
+}
+
+/// The call's keys and values packed for AMX tiles, when this call runs on them: AMX granted,
+/// activations rounded to bf16 (so q, k, v and the probabilities are bf16 values), head dims a
+/// multiple of 32, at least [`AMX_MIN_QUERIES`] queries, and the span within
+/// [`AMX_PACK_BUDGET`].
+fn amx_pack(
+    simd: Simd,
+    qkv: &CpuTensor,
+    chunk: AttnChunk,
+    shape: AttnShape,
+    kv: &CpuKv,
+    round: DType,
+    tiles: bool,
+) -> Option<Packed> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::attn_amx::PackedKv;
+        let d = shape.head_dim;
+        if !(tiles
+            && simd == Simd::Amx
+            && round == DType::BF16
+            && d.is_multiple_of(32)
+            && chunk.len >= AMX_MIN_QUERIES
+            && crate::kernels::amx::available())
+        {
+            return None;
+        }
+        let lo = shape.window.map_or(0, |w| (chunk.start_pos + 1).saturating_sub(w));
+        let n = chunk.start_pos + chunk.len - lo;
+        if PackedKv::bytes(shape.n_kv_heads, d, n) > AMX_PACK_BUDGET {
+            return None;
+        }
+        let row = |value: bool, kvh: usize, pos: usize| kv_row(qkv, chunk, shape, kv, value, kvh, pos);
+        // SAFETY: AMX available implies AVX-512F and AVX-512BW (`amx::available`).
+        Some(unsafe { PackedKv::pack(shape.n_kv_heads, d, lo, n, &row) })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (simd, qkv, chunk, shape, kv, round, tiles);
+        None
+    }
+}
+
+/// What every block of one call shares.
+struct BlockArgs<'a> {
+    qkv: &'a CpuTensor,
+    chunk: AttnChunk,
+    shape: AttnShape,
+    kv: &'a CpuKv,
+    round: DType,
+    outp: SharedOut,
+    ocols: usize,
+    score_budget: usize,
+    tiles: bool,
+    amx: Option<&'a Packed>,
 }
 
 /// Queries per attention task at most.
@@ -256,6 +370,12 @@ struct Scratch {
     tile: Vec<f32>,
     /// `[KV_TILE]` one row's scores in a tile.
     dots: Vec<f32>,
+    /// AMX: the block's queries as A tiles.
+    qa: Vec<u16>,
+    /// AMX: a segment's probabilities as A tiles.
+    pa: Vec<u16>,
+    /// AMX: one key group's score tiles.
+    ctiles: Vec<[f32; 256]>,
 }
 
 /// Calls `f(t0, t1, tile)` for each tile `t0..=t1` of at most [`KV_TILE`] positions in
@@ -280,25 +400,10 @@ fn for_tiles<'a>(
 /// Key / value rows per tile of the tile loops (32 KiB of f32 at head_dim 128).
 const KV_TILE: usize = 64;
 
-#[allow(clippy::too_many_arguments)]
 #[inline(never)]
-fn attend_block(
-    simd: Simd,
-    qkv: &CpuTensor,
-    chunk: AttnChunk,
-    shape: AttnShape,
-    kv: &CpuKv,
-    b: Block,
-    round: DType,
-    scratch: &mut Scratch,
-    outp: SharedOut,
-    ocols: usize,
-    score_budget: usize,
-    tiles: bool,
-) {
+fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratch) {
+    let &BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx } = args;
     let d = shape.head_dim;
-    let qd = shape.n_heads * d;
-    let kvd = shape.n_kv_heads * d;
     let kvh = b.kvh;
     let nh = b.h1 - b.h0;
     let nrows = (b.i1 - b.i0) * nh;
@@ -307,30 +412,32 @@ fn attend_block(
     let lo_of = |i: usize| shape.window.map_or(0, |w| (pos_of(i) + 1).saturating_sub(w));
     let (lo, hi) = (lo_of(b.i0), pos_of(b.i1 - 1));
     let span = hi + 1 - lo;
-    let key = |pos: usize| -> Row<'_> {
-        if pos >= chunk.start_pos {
-            let r = &qkv.data[(chunk.row + pos - chunk.start_pos) * qkv.cols..][..qkv.cols];
-            Row::F32(&r[qd + kvh * d..qd + (kvh + 1) * d])
-        } else {
-            kv.k.row(kv.slot(pos), kvd, kvd).slice(kvh * d, d)
-        }
-    };
-    let value = |pos: usize| -> Row<'_> {
-        if pos >= chunk.start_pos {
-            let r = &qkv.data[(chunk.row + pos - chunk.start_pos) * qkv.cols..][..qkv.cols];
-            Row::F32(&r[qd + kvd + kvh * d..qd + kvd + (kvh + 1) * d])
-        } else {
-            kv.v.row(kv.slot(pos), kvd, kvd).slice(kvh * d, d)
-        }
-    };
+    let key = |pos: usize| kv_row(qkv, chunk, shape, kv, false, kvh, pos);
+    let value = |pos: usize| kv_row(qkv, chunk, shape, kv, true, kvh, pos);
     let query = |i: usize, h: usize| &qkv.data[(chunk.row + i) * qkv.cols + h * d..][..d];
-    let Scratch { scores, acc, tile, dots } = scratch;
+    let Scratch { scores, acc, tile, dots, qa, pa, ctiles } = scratch;
     // AVX2 or AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
-    let wide = tiles && cfg!(target_arch = "x86_64") && simd >= Simd::Avx2 && d.is_multiple_of(32);
+    let wide = amx.is_none() && tiles && cfg!(target_arch = "x86_64") && simd >= Simd::Avx2 && d.is_multiple_of(32);
     let avx512 = simd >= Simd::Avx512;
     if wide {
         tile.resize(KV_TILE * d, 0.0);
         dots.resize(KV_TILE, 0.0);
+    }
+    // AMX: the block's rows in row tiles of 16 (the last one padded with zero queries).
+    let nrt = nrows.div_ceil(16);
+    #[cfg(target_arch = "x86_64")]
+    if amx.is_some() {
+        debug_assert!(nrows <= AMX_ROWS);
+        let mut rows = Vec::with_capacity(nrows);
+        b.each_row(|i, h, _| rows.push(query(i, h)));
+        ctiles.resize(4, [0.0; 256]);
+        // SAFETY: an AMX block exists only when AMX is available (`amx_pack`), which implies
+        // AVX-512F/BW; the rows are d long, d a multiple of 32. The tile state is released at
+        // the end of this function.
+        unsafe {
+            crate::kernels::attn_amx::pack_queries(&rows, d, qa);
+            crate::kernels::attn_amx::begin();
+        }
     }
     // The positions of row `i` inside `t0..=t1`, if any.
     let range = |i: usize, t0: usize, t1: usize| {
@@ -339,7 +446,7 @@ fn attend_block(
     };
     let sees = |i: usize, pos: usize| (lo_of(i)..=pos_of(i)).contains(&pos);
     acc.clear();
-    acc.resize(nrows * d, 0.0);
+    acc.resize(if amx.is_some() { nrt * 16 } else { nrows } * d, 0.0);
     // Positions per segment of scores held at once (a multiple of the KV tile). A span that
     // fits is one segment and one pass: scores, softmax per row over its own keys (probabilities
     // rounded to the activation type), weighted values. A longer one (full layers deep into a
@@ -359,7 +466,31 @@ fn attend_block(
             let s1 = (s0 + seg - 1).min(hi);
             let len = s1 + 1 - s0;
             // Scores of positions s0..=s1 (`[row][len]`), each key row read once for the block.
-            if wide {
+            if let Some(p) = amx {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    use crate::kernels::attn_amx::{scale_scores, scores as amx_scores, KEY_GROUP};
+                    let ct: &mut [[f32; 256]; 4] = (&mut ctiles[..4]).try_into().expect("four score tiles");
+                    for g in (s0 - p.base()) / KEY_GROUP..=(s1 - p.base()) / KEY_GROUP {
+                        let gp = p.base() + g * KEY_GROUP;
+                        // SAFETY: the tile configuration is loaded on this thread (above); qa
+                        // holds nrt <= 4 row tiles of d / 32 steps; positions s0..=s1 lie in the
+                        // packed span, so group g is one of its groups.
+                        unsafe { amx_scores(p, kvh, g, qa, nrt, ct) };
+                        let (t0, t1) = (gp.max(s0), (gp + KEY_GROUP - 1).min(s1));
+                        b.each_row(|i, _, r| {
+                            if let Some((a, z)) = range(i, t0, t1) {
+                                let c = &ct[r / 16][(r % 16) * 16..][..16];
+                                // SAFETY: AVX-512F (AMX available); the destination holds the
+                                // z - a + 1 scores of row r from position a.
+                                unsafe { scale_scores(&c[a - gp..=z - gp], shape.scale, &mut sc[r * len + a - s0..]) };
+                            }
+                        });
+                    }
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                match *p {}
+            } else if wide {
                 #[cfg(target_arch = "x86_64")]
                 for_tiles(s0, s1, d, tile, key, |t0, t1, tile| {
                     b.each_row(|i, h, r| {
@@ -398,6 +529,9 @@ fn attend_block(
                     let r = (i - b.i0) * nh + (h - b.h0);
                     let s = &mut sc[r * len + a - s0..r * len + z - s0 + 1];
                     match (long, pass) {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: AVX-512F (AMX available); the AMX path rounds to bf16.
+                        (false, _) if amx.is_some() => unsafe { crate::kernels::attn_amx::softmax_bf16(s) },
                         (false, _) => {
                             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                             let mut sum = 0.0f32;
@@ -429,7 +563,40 @@ fn attend_block(
                 continue;
             }
             // `acc[r] += sum_j p_j v_j` over s0..=s1, each value row read once for the block.
-            if wide {
+            if let Some(p) = amx {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    use crate::kernels::attn_amx::{bf16_bits, weighted, VALUE_BLOCK};
+                    // The probabilities as A tiles `[block][row tile]` (16 rows x 32 positions,
+                    // bf16: rounded to bf16 above, so the high halves exactly), zero where a row
+                    // does not see a position.
+                    let b0 = (s0 - p.base()) / VALUE_BLOCK;
+                    let nb = (s1 - p.base()) / VALUE_BLOCK + 1 - b0;
+                    pa.clear();
+                    pa.resize(nb * nrt * 512, 0);
+                    b.each_row(|i, _, r| {
+                        if let Some((a, z)) = range(i, s0, s1) {
+                            let (rt, ri) = (r / 16, r % 16);
+                            // Runs of positions inside one value block, a tile row each.
+                            let mut pos = a;
+                            while pos <= z {
+                                let (bi, j) = ((pos - p.base()) / VALUE_BLOCK - b0, (pos - p.base()) % VALUE_BLOCK);
+                                let run = (VALUE_BLOCK - j).min(z + 1 - pos);
+                                let dst = &mut pa[(bi * nrt + rt) * 512 + ri * 32 + j..][..run];
+                                // SAFETY: AVX-512F (AMX available); both hold `run` values.
+                                unsafe { bf16_bits(&sc[r * len + pos - s0..][..run], dst) };
+                                pos += run;
+                            }
+                        }
+                    });
+                    // SAFETY: the tile configuration is loaded on this thread; pa holds nb * nrt
+                    // tiles; acc holds 16 nrt rows of d; blocks b0..b0 + nb cover s0..=s1,
+                    // inside the packed span.
+                    unsafe { weighted(p, kvh, b0, nb, pa, nrt, acc) };
+                }
+                #[cfg(not(target_arch = "x86_64"))]
+                match *p {}
+            } else if wide {
                 #[cfg(target_arch = "x86_64")]
                 for_tiles(s0, s1, d, tile, value, |t0, t1, tile| {
                     b.each_row(|i, _, r| {
@@ -461,6 +628,11 @@ fn attend_block(
                 }
             }
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if amx.is_some() {
+        // SAFETY: AMX is available (an AMX block exists); loaded above.
+        unsafe { crate::kernels::attn_amx::release() };
     }
     for i in b.i0..b.i1 {
         for h in b.h0..b.h1 {
@@ -568,6 +740,47 @@ mod tests {
             }
         });
     }
+
+    /// The AMX tiles (bf16 activations, chunks of at least 16 queries) against the AVX-512 f32
+    /// loops: the same products summed in another order, so outputs agree to a few bf16 units
+    /// in the last place; and segmented spans give the AMX path's own bits again.
+    #[test]
+    fn amx_tiles_match_the_f32_loops() {
+        if Simd::detect() < Simd::Amx || !cfg!(target_arch = "x86_64") {
+            eprintln!("skipped: this CPU has no AMX (or the OS did not grant it)");
+            return;
+        }
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let cases = [
+            (64, Some(37), DType::BF16),
+            (256, None, DType::BF16),
+            (96, Some(100), DType::BF16),
+            (32, None, DType::BF16),
+        ];
+        let mut worst = 0.0f32;
+        // A long prefill, a chunk over the cache (ring wrapped for the sliding cases), a chunk
+        // of exactly 16 and one of 17 queries, a decode token (f32 loops on both sides).
+        each_chunk(5, &cases, &[150, 70, 16, 17, 1], 2.0, |shape, dtype, kv, qkv, chunk| {
+            let f32_loops = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
+            let tiles = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
+            let scale = f32_loops.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let err = f32_loops.iter().zip(&tiles).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            worst = worst.max(err);
+            assert!(err <= AMX_TOLERANCE, "{shape:?} chunk {chunk:?}: AMX differs by {err} of the largest output");
+            if chunk.len == 1 {
+                assert!(same_bits(&f32_loops, &tiles), "decode must stay on the f32 loops");
+            }
+            for budget in [1, 4 * 64 * 2 * KV_TILE] {
+                let seg = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, budget, true);
+                let err = tiles.iter().zip(&seg).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                assert!(err <= AMX_TOLERANCE, "{shape:?} chunk {chunk:?} budget {budget}: segments differ by {err}");
+            }
+        });
+        eprintln!("AMX attention vs the f32 loops: largest difference {worst} of the largest output");
+    }
+
+    /// How far the AMX tiles may drift from the f32 loops, relative to the largest output.
+    const AMX_TOLERANCE: f32 = 1.0 / 128.0;
 
     /// Spans longer than the score budget run segment by segment with the scores recomputed:
     /// the outputs are bit-identical to holding all scores, for every SIMD path, f32 and bf16

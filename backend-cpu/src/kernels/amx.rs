@@ -205,7 +205,7 @@ unsafe fn pack_tile(rows: &[f32], k: usize, c0: usize, tile: &mut [u16]) {
 /// AVX-512F is present.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn round_bf16_high(x: __m512) -> __m512i {
+pub(super) unsafe fn round_bf16_high(x: __m512) -> __m512i {
     let b = _mm512_castps_si512(x);
     let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
     let rounded = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
@@ -219,7 +219,7 @@ unsafe fn round_bf16_high(x: __m512) -> __m512i {
 /// AVX-512F is present.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose16(v: [__m512i; 16]) -> [__m512i; 16] {
+pub(super) unsafe fn transpose16(v: [__m512i; 16]) -> [__m512i; 16] {
     // Plain loops, not closures: a closure does not inherit this function's target features, so
     // it would not inline and would pass its vectors through memory.
     let mut r = [_mm512_setzero_ps(); 16];

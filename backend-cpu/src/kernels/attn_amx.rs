@@ -1,0 +1,559 @@
+//! AMX BF16 tiles for prefill attention (x86-64 with AMX), used by [`crate::attention`]: the
+//! scores `Q K^T` and the weighted values `P V` of a block of up to [`ROWS`] (query, head) rows.
+//!
+//! Precision: taken only when the graph rounds activations to bf16, so queries, keys, values
+//! and the (rounded) probabilities are bf16 values and every product is exact; the sums are f32
+//! in the tiles' order (`tdpbf16ps`), which differs from the f32-FMA loops only in the order of
+//! additions (and in reading bf16 denormals as zero).
+//!
+//! Layout: a call's keys and values are packed once ([`PackedKv`]), shared by every block:
+//! - keys in groups of 16 positions, one B tile per 32 head-dim columns: row `r`, column `t` the
+//!   pair `(k[t][32 s + 2r], k[t][32 s + 2r + 1])`; a score tile is 16 rows x 16 keys;
+//! - values in blocks of 32 positions, one B tile per 16 head-dim columns: row `r`, column `c`
+//!   the pair `(v[2r][16 g + c], v[2r + 1][16 g + c])`; the probabilities are the A tiles
+//!   (16 rows x 32 positions), so `P V` accumulates 16 rows x 16 columns per product.
+//!
+//! A block's queries are packed into A tiles per 32 columns ([`pack_queries`]); its row tiles
+//! live in tmm0-3, the streamed B tile in tmm4, the A tile in tmm5. The accumulators of `P V`
+//! are loaded from and stored to the caller's f32 rows (tiles take a row stride).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use rayon::prelude::*;
+
+use super::amx::{round_bf16_high, transpose16};
+use super::Row;
+
+/// (query, head) rows per block at most: four row tiles.
+pub const ROWS: usize = 64;
+/// Positions per key group (one score tile's columns).
+pub const KEY_GROUP: usize = 16;
+/// Positions per value block (one probability tile's columns).
+pub const VALUE_BLOCK: usize = 32;
+/// u16 elements of one tile (16 rows x 64 bytes).
+const TILE_U16: usize = 512;
+
+/// Keys and values of positions `base..base + n` of every KV head, packed into B tiles (see the
+/// module doc).
+pub struct PackedKv {
+    base: usize,
+    n: usize,
+    d: usize,
+    /// `[kv head][key group][32-column step]` tiles.
+    k: Vec<u16>,
+    /// `[kv head][value block][16-column group]` tiles.
+    v: Vec<u16>,
+}
+
+impl PackedKv {
+    /// Bytes [`PackedKv::pack`] allocates for these sizes.
+    pub fn bytes(kv_heads: usize, d: usize, n: usize) -> usize {
+        let k = n.div_ceil(KEY_GROUP) * KEY_GROUP * d;
+        let v = n.div_ceil(VALUE_BLOCK) * VALUE_BLOCK * d;
+        (k + v) * kv_heads * 2
+    }
+
+    /// Pack positions `base..base + n` of `kv_heads` heads of `d` columns (a multiple of 32):
+    /// `row(value, kvh, pos)` gives the key (`value` false) or value row of KV head `kvh` at
+    /// `pos`, `d` long. Rows are rounded to bf16 ([`spark_core::dtype::round_bf16`]); positions
+    /// past `n` in the last group or block are zero. Runs on the rayon pool.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX-512BW are present.
+    pub unsafe fn pack<'a>(
+        kv_heads: usize,
+        d: usize,
+        base: usize,
+        n: usize,
+        row: &(dyn Fn(bool, usize, usize) -> Row<'a> + Sync),
+    ) -> PackedKv {
+        assert!(d.is_multiple_of(32) && d > 0, "attn_amx: head dim {d} is not a multiple of 32");
+        let groups = n.div_ceil(KEY_GROUP);
+        let blocks = n.div_ceil(VALUE_BLOCK);
+        let ksteps = d / 32;
+        let vgroups = d / 16;
+        let mut k = vec![0u16; kv_heads * groups * ksteps * TILE_U16];
+        let mut v = vec![0u16; kv_heads * blocks * vgroups * TILE_U16];
+        k.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(|(i, tiles)| {
+            let (kvh, g) = (i / groups, i % groups);
+            let p0 = g * KEY_GROUP;
+            let rows: Vec<Row<'a>> = (p0..(p0 + KEY_GROUP).min(n)).map(|p| row(false, kvh, base + p)).collect();
+            for (s, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
+                // SAFETY: AVX-512F/BW (this function's contract); every row holds d >= 32 (s + 1)
+                // values; `tile` is one tile.
+                unsafe { key_tile(&rows, s * 32, tile) };
+            }
+        });
+        v.par_chunks_mut(vgroups * TILE_U16).enumerate().for_each(|(i, tiles)| {
+            let (kvh, b) = (i / blocks, i % blocks);
+            let p0 = b * VALUE_BLOCK;
+            let rows: Vec<Row<'a>> = (p0..(p0 + VALUE_BLOCK).min(n)).map(|p| row(true, kvh, base + p)).collect();
+            for (g, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
+                // SAFETY: AVX-512F/BW (this function's contract); every row holds d >= 16 (g + 1)
+                // values; `tile` is one tile.
+                unsafe { value_tile(&rows, g * 16, tile) };
+            }
+        });
+        PackedKv { base, n, d, k, v }
+    }
+
+    /// The first position held.
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    /// One past the last position held.
+    pub fn end(&self) -> usize {
+        self.base + self.n
+    }
+
+    /// The first of key group `g`'s `d / 32` tiles for KV head `kvh`.
+    fn key_group(&self, kvh: usize, g: usize) -> *const u16 {
+        let ksteps = self.d / 32;
+        self.k[((kvh * self.n.div_ceil(KEY_GROUP) + g) * ksteps) * TILE_U16..].as_ptr()
+    }
+
+    /// The first of value block `b`'s `d / 16` tiles for KV head `kvh`.
+    fn value_block(&self, kvh: usize, b: usize) -> *const u16 {
+        let vgroups = self.d / 16;
+        self.v[((kvh * self.n.div_ceil(VALUE_BLOCK) + b) * vgroups) * TILE_U16..].as_ptr()
+    }
+}
+
+/// 32 values of `row` from column `c0` as 16 bf16 pairs (element `i` in word `i`).
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present; `c0 + 32 <= row.len()`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pairs32(row: &Row<'_>, c0: usize) -> __m512i {
+    match row {
+        Row::BF16(r) => _mm512_loadu_si512(r[c0..c0 + 32].as_ptr().cast()),
+        Row::F32(r) => {
+            let seg = r[c0..c0 + 32].as_ptr();
+            round_pairs(_mm512_loadu_ps(seg), _mm512_loadu_ps(seg.add(16)))
+        }
+        Row::F16(_) => {
+            let mut f = [0.0f32; 32];
+            row.slice(c0, 32).to_f32(&mut f);
+            round_pairs(_mm512_loadu_ps(f.as_ptr()), _mm512_loadu_ps(f.as_ptr().add(16)))
+        }
+    }
+}
+
+/// `lo`, `hi` (16 f32 each) rounded to bf16 and packed in order into 32 words.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn round_pairs(lo: __m512, hi: __m512) -> __m512i {
+    // Word 2i + 1 of (lo, hi): the high halves, i.e. the bf16 of element i of the 32.
+    let odd_words = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9,
+        7, 5, 3, 1,
+    );
+    _mm512_permutex2var_epi16(round_bf16_high(lo), odd_words, round_bf16_high(hi))
+}
+
+/// 16 values of `row` from column `c0` rounded to bf16, in the low words of 16 lanes.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present; `c0 + 16 <= row.len()`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn words16(row: &Row<'_>, c0: usize) -> __m512i {
+    match row {
+        Row::BF16(r) => _mm512_cvtepu16_epi32(_mm256_loadu_si256(r[c0..c0 + 16].as_ptr().cast())),
+        Row::F32(r) => _mm512_srli_epi32::<16>(round_bf16_high(_mm512_loadu_ps(r[c0..c0 + 16].as_ptr()))),
+        Row::F16(_) => {
+            let mut f = [0.0f32; 16];
+            row.slice(c0, 16).to_f32(&mut f);
+            _mm512_srli_epi32::<16>(round_bf16_high(_mm512_loadu_ps(f.as_ptr())))
+        }
+    }
+}
+
+/// One key tile: row `r`, column `t` = the bf16 pair of `rows[t]` at columns `c0 + 2r, +1`;
+/// columns past `rows.len() <= 16` zero.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present; every row holds at least `c0 + 32` values.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn key_tile(rows: &[Row<'_>], c0: usize, tile: &mut [u16]) {
+    debug_assert!(rows.len() <= 16 && tile.len() == TILE_U16);
+    let mut v = [_mm512_setzero_si512(); 16];
+    for (t, row) in rows.iter().enumerate() {
+        v[t] = pairs32(row, c0);
+    }
+    for (r, row) in transpose16(v).iter().enumerate() {
+        _mm512_storeu_si512(tile.as_mut_ptr().add(r * 32).cast(), *row);
+    }
+}
+
+/// One value tile: row `r`, column `c` = `(rows[2r][c0 + c], rows[2r + 1][c0 + c])` as bf16;
+/// rows past `rows.len() <= 32` zero.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present; every row holds at least `c0 + 16` values.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn value_tile(rows: &[Row<'_>], c0: usize, tile: &mut [u16]) {
+    debug_assert!(rows.len() <= 32 && tile.len() == TILE_U16);
+    for r in 0..16 {
+        let even = rows.get(2 * r).map_or(_mm512_setzero_si512(), |row| words16(row, c0));
+        let odd = rows.get(2 * r + 1).map_or(_mm512_setzero_si512(), |row| words16(row, c0));
+        let pair = _mm512_or_si512(even, _mm512_slli_epi32::<16>(odd));
+        _mm512_storeu_si512(tile.as_mut_ptr().add(r * 32).cast(), pair);
+    }
+}
+
+/// Pack query rows into A tiles: tile `(rt, s)` row `i` = the 32 bf16 of `rows[16 rt + i]` from
+/// column `32 s`; rows past `rows.len()` up to a multiple of 16 are zero. `out` is resized.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present; every row is `d` long, `d` a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn pack_queries(rows: &[&[f32]], d: usize, out: &mut Vec<u16>) {
+    let ksteps = d / 32;
+    let nrt = rows.len().div_ceil(16);
+    out.clear();
+    out.resize(nrt * ksteps * TILE_U16, 0);
+    for (r, row) in rows.iter().enumerate() {
+        let (rt, i) = (r / 16, r % 16);
+        for s in 0..ksteps {
+            let p = pairs32(&Row::F32(row), s * 32);
+            _mm512_storeu_si512(out.as_mut_ptr().add((rt * ksteps + s) * TILE_U16 + i * 32).cast(), p);
+        }
+    }
+}
+
+/// `dst[j] = bf16(bf16(src[j]) * scale)` for `j < src.len()`: the scores' two roundings as
+/// [`spark_core::DType::round`] makes them for bf16, bit for bit, 16 at a time.
+///
+/// # Safety
+/// AVX-512F is present; `dst` holds `src.len()` values.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn scale_scores(src: &[f32], scale: f32, dst: &mut [f32]) {
+    debug_assert!(dst.len() >= src.len());
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    let bf16 = |x: __m512| _mm512_castsi512_ps(_mm512_and_si512(round_bf16_high(x), high));
+    for j in (0..src.len()).step_by(16) {
+        let m: __mmask16 = (((1u32 << (src.len() - j).min(16)) - 1) & 0xffff) as u16;
+        let x = _mm512_maskz_loadu_ps(m, src.as_ptr().add(j));
+        let y = bf16(_mm512_mul_ps(bf16(x), _mm512_set1_ps(scale)));
+        _mm512_mask_storeu_ps(dst.as_mut_ptr().add(j), m, y);
+    }
+}
+
+/// `dst[j] = src[j]`'s bf16 bits (its high half) for `j < src.len()`: probabilities already
+/// rounded to bf16 into an A tile row, 16 at a time.
+///
+/// # Safety
+/// AVX-512F is present; `dst` holds `src.len()` values.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn bf16_bits(src: &[f32], dst: &mut [u16]) {
+    debug_assert!(dst.len() >= src.len());
+    for j in (0..src.len()).step_by(16) {
+        let m: __mmask16 = (((1u32 << (src.len() - j).min(16)) - 1) & 0xffff) as u16;
+        let x = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src.as_ptr().add(j)));
+        _mm512_mask_cvtepi32_storeu_epi16(dst.as_mut_ptr().add(j).cast(), m, _mm512_srli_epi32::<16>(x));
+    }
+}
+
+/// The softmax of one row's scores, probabilities rounded to bf16, in place: bit for bit the
+/// f32 loops' (the maximum and the rounding 16 at a time, which changes no bits; `exp` and the
+/// sum one by one in order, as there). A NaN score makes the whole row NaN, as there.
+///
+/// # Safety
+/// AVX-512F is present.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn softmax_bf16(s: &mut [f32]) {
+    let n = s.len();
+    let mask = |j: usize| -> __mmask16 { (((1u32 << (n - j).min(16)) - 1) & 0xffff) as u16 };
+    let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut nan = false;
+    for j in (0..n).step_by(16) {
+        let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), mask(j), s.as_ptr().add(j));
+        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x) != 0;
+        vmax = _mm512_max_ps(vmax, x);
+    }
+    let max = if nan { f32::NAN } else { _mm512_reduce_max_ps(vmax) };
+    let mut sum = 0.0f32;
+    for v in s.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = _mm512_set1_ps(1.0 / sum);
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    for j in (0..n).step_by(16) {
+        let x = _mm512_maskz_loadu_ps(mask(j), s.as_ptr().add(j));
+        let p = _mm512_and_si512(round_bf16_high(_mm512_mul_ps(x, inv)), high);
+        _mm512_mask_storeu_ps(s.as_mut_ptr().add(j), mask(j), _mm512_castsi512_ps(p));
+    }
+}
+
+/// `tileloadd tmm{T}` from `p`, rows `stride` bytes apart.
+#[inline(always)]
+unsafe fn load<const T: u8>(p: *const u8, stride: usize) {
+    asm!("tileloadd tmm{t}, [{p} + {s}*1]", t = const T, p = in(reg) p, s = in(reg) stride, options(nostack, readonly));
+}
+
+/// `tilestored` tmm{T} to `p`, rows `stride` bytes apart.
+#[inline(always)]
+unsafe fn store<const T: u8>(p: *mut u8, stride: usize) {
+    asm!("tilestored [{p} + {s}*1], tmm{t}", t = const T, p = in(reg) p, s = in(reg) stride, options(nostack));
+}
+
+/// Row tile `rt` (tmm0-3): zero it, load it, store it, or add tmm5 x tmm4 to it.
+#[derive(Clone, Copy)]
+enum Op {
+    Zero,
+    Load(*const u8, usize),
+    Store(*mut u8, usize),
+    Dot,
+}
+
+/// Apply `op` to row tile `rt` (tile numbers are immediates, hence the dispatch).
+///
+/// # Safety
+/// AMX is available and this thread has loaded the tile configuration; `rt < 4`; pointers
+/// address 16 rows of 64 bytes `stride` apart.
+#[inline(always)]
+unsafe fn on_row_tile(rt: usize, op: Op) {
+    macro_rules! each {
+        ($t:literal) => {
+            match op {
+                Op::Zero => asm!("tilezero tmm{t}", t = const $t, options(nostack, nomem)),
+                Op::Load(p, s) => load::<$t>(p, s),
+                Op::Store(p, s) => store::<$t>(p, s),
+                Op::Dot => asm!("tdpbf16ps tmm{t}, tmm5, tmm4", t = const $t, options(nostack, nomem)),
+            }
+        };
+    }
+    match rt {
+        0 => each!(0),
+        1 => each!(1),
+        2 => each!(2),
+        3 => each!(3),
+        _ => unreachable!("attn_amx: row tile {rt}"),
+    }
+}
+
+/// Scores of key group `g` of KV head `kvh`: `c[rt]` (16 rows x 16 keys, f32) = the `nrt`
+/// row tiles of `qa` ([`pack_queries`]) times the group's keys.
+///
+/// # Safety
+/// AMX is available and this thread has loaded the tile configuration (every tile 16 x 64
+/// bytes); `qa` holds `nrt <= 4` row tiles of `kv.d / 32` steps; `g` is a group of `kv`.
+pub unsafe fn scores(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: usize, c: &mut [[f32; 256]; 4]) {
+    let ksteps = kv.d / 32;
+    debug_assert!(nrt <= 4 && qa.len() >= nrt * ksteps * TILE_U16);
+    let kt = kv.key_group(kvh, g);
+    for rt in 0..nrt {
+        on_row_tile(rt, Op::Zero);
+    }
+    for s in 0..ksteps {
+        load::<4>(kt.add(s * TILE_U16).cast(), 64);
+        for rt in 0..nrt {
+            load::<5>(qa.as_ptr().add((rt * ksteps + s) * TILE_U16).cast(), 64);
+            on_row_tile(rt, Op::Dot);
+        }
+    }
+    for (rt, tile) in c.iter_mut().enumerate().take(nrt) {
+        on_row_tile(rt, Op::Store(tile.as_mut_ptr().cast(), 64));
+    }
+}
+
+/// `acc[r][..d] += sum_j p[r][j] v[j]` over value blocks `b0..b0 + nb` of KV head `kvh`: `pa`
+/// holds `[block][row tile]` A tiles of probabilities (16 rows x 32 positions, bf16), `acc` the
+/// `16 nrt` rows of `d` f32 (row stride `d`).
+///
+/// # Safety
+/// AMX is available and this thread has loaded the tile configuration; `pa` holds `nb * nrt`
+/// tiles, `nrt <= 4`; `acc` holds `16 nrt` rows of `kv.d`; the blocks are blocks of `kv`.
+pub unsafe fn weighted(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[u16], nrt: usize, acc: &mut [f32]) {
+    let d = kv.d;
+    let vgroups = d / 16;
+    debug_assert!(nrt <= 4 && pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
+    let vt = kv.value_block(kvh, b0);
+    for g in 0..vgroups {
+        for rt in 0..nrt {
+            on_row_tile(rt, Op::Load(acc.as_ptr().add(16 * rt * d + 16 * g).cast(), 4 * d));
+        }
+        for b in 0..nb {
+            load::<4>(vt.add((b * vgroups + g) * TILE_U16).cast(), 64);
+            for rt in 0..nrt {
+                load::<5>(pa.as_ptr().add((b * nrt + rt) * TILE_U16).cast(), 64);
+                on_row_tile(rt, Op::Dot);
+            }
+        }
+        for rt in 0..nrt {
+            on_row_tile(rt, Op::Store(acc.as_mut_ptr().add(16 * rt * d + 16 * g).cast(), 4 * d));
+        }
+    }
+}
+
+/// Load the eight-tile configuration on this thread ([`super::amx`]'s).
+///
+/// # Safety
+/// AMX is available; the thread calls [`release`] when done.
+pub unsafe fn begin() {
+    super::amx::load_config();
+}
+
+/// Release this thread's tile state.
+///
+/// # Safety
+/// AMX is available.
+pub unsafe fn release() {
+    super::amx::release();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spark_core::dtype::round_bf16;
+
+    fn avx512() -> bool {
+        let ok = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw");
+        if !ok {
+            eprintln!("skipped: this CPU has no AVX-512F/BW");
+        }
+        ok
+    }
+
+    fn values(seed: &mut u64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                ((*seed >> 40) as f32 / (1u32 << 24) as f32 - 0.5) * 8.0
+            })
+            .collect()
+    }
+
+    /// Key tiles hold each key's bf16 pairs by column, value tiles each position pair's bf16
+    /// values by column; positions past the span are zero. F32 and BF16 rows.
+    #[test]
+    fn packed_tiles_hold_the_rows() {
+        if !avx512() {
+            return;
+        }
+        let (kv_heads, d, base, n) = (2, 64, 5, 37);
+        let mut seed = 3;
+        let f: Vec<f32> = values(&mut seed, 2 * kv_heads * (base + n) * d);
+        let b: Vec<u16> = f.iter().map(|&x| (round_bf16(x).to_bits() >> 16) as u16).collect();
+        let at = |value: bool, kvh: usize, pos: usize| ((value as usize * kv_heads + kvh) * (base + n) + pos) * d;
+        let expect = |value: bool, kvh: usize, pos: usize, c: usize| -> u16 {
+            if pos < base + n {
+                b[at(value, kvh, pos) + c]
+            } else {
+                0
+            }
+        };
+        for bf in [false, true] {
+            let row = |value: bool, kvh: usize, pos: usize| {
+                let o = at(value, kvh, pos);
+                if bf {
+                    Row::BF16(&b[o..o + d])
+                } else {
+                    Row::F32(&f[o..o + d])
+                }
+            };
+            // SAFETY: AVX-512F/BW checked above.
+            let p = unsafe { PackedKv::pack(kv_heads, d, base, n, &row) };
+            for kvh in 0..kv_heads {
+                for g in 0..n.div_ceil(KEY_GROUP) {
+                    for s in 0..d / 32 {
+                        let tile = &p.k[((kvh * n.div_ceil(KEY_GROUP) + g) * (d / 32) + s) * TILE_U16..][..TILE_U16];
+                        for r in 0..16 {
+                            for t in 0..16 {
+                                for e in 0..2 {
+                                    let want = expect(false, kvh, base + g * 16 + t, 32 * s + 2 * r + e);
+                                    assert_eq!(tile[r * 32 + 2 * t + e], want, "key tile {kvh} {g} {s} [{r}][{t}].{e}");
+                                }
+                            }
+                        }
+                    }
+                }
+                for blk in 0..n.div_ceil(VALUE_BLOCK) {
+                    for c in 0..d / 16 {
+                        let tile =
+                            &p.v[((kvh * n.div_ceil(VALUE_BLOCK) + blk) * (d / 16) + c) * TILE_U16..][..TILE_U16];
+                        for r in 0..16 {
+                            for col in 0..16 {
+                                for e in 0..2 {
+                                    let want = expect(true, kvh, base + blk * 32 + 2 * r + e, 16 * c + col);
+                                    assert_eq!(tile[r * 32 + 2 * col + e], want, "value tile {kvh} {blk} {c}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The vector helpers give the scalar roundings' bits: lengths around the 16-lane steps,
+    /// ties, NaN, infinities, denormals.
+    #[test]
+    fn score_and_probability_helpers_match_scalar() {
+        if !avx512() {
+            return;
+        }
+        let special = [
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x7f7f_ffff),
+            f32::INFINITY,
+            f32::from_bits(0x0000_8000),
+            -0.0,
+        ];
+        let mut seed = 9;
+        for n in [1, 15, 16, 17, 32, 33, 100] {
+            let mut src = values(&mut seed, n);
+            for (i, &v) in special.iter().enumerate().take(n / 3) {
+                src[3 * i] = v;
+            }
+            let bf = |x: f32| round_bf16(x);
+            let mut got = vec![7.0f32; n + 1];
+            // SAFETY: AVX-512F checked above; got holds n values.
+            unsafe { scale_scores(&src, 0.125, &mut got) };
+            for j in 0..n {
+                assert_eq!(got[j].to_bits(), bf(bf(src[j]) * 0.125).to_bits(), "scale_scores n {n} [{j}]");
+            }
+            assert_eq!(got[n], 7.0, "scale_scores wrote past n");
+            let probs: Vec<f32> = src.iter().map(|&x| bf(x)).collect();
+            let mut bits = vec![0xabcdu16; n + 1];
+            // SAFETY: as above.
+            unsafe { bf16_bits(&probs, &mut bits) };
+            for j in 0..n {
+                assert_eq!(bits[j] as u32, probs[j].to_bits() >> 16, "bf16_bits n {n} [{j}]");
+            }
+            assert_eq!(bits[n], 0xabcd, "bf16_bits wrote past n");
+            // The softmax against the f32 loops' scalar form, on finite scores.
+            let scores: Vec<f32> = values(&mut seed, n).iter().map(|&x| bf(x)).collect();
+            let mut want = scores.clone();
+            let max = want.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for v in want.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            want.iter_mut().for_each(|v| *v = bf(*v * inv));
+            let mut got = scores.clone();
+            // SAFETY: as above.
+            unsafe { softmax_bf16(&mut got) };
+            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "softmax_bf16 n {n}: {got:?} vs {want:?}");
+            let mut nan = scores.clone();
+            nan[n / 2] = f32::NAN;
+            // SAFETY: as above.
+            unsafe { softmax_bf16(&mut nan) };
+            assert!(nan.iter().all(|v| v.is_nan()), "softmax_bf16 n {n}: a NaN score must make the row NaN");
+        }
+    }
+}
