@@ -163,7 +163,8 @@ impl CpuKv {
 ///
 /// With AMX and bf16 activations, chunks of at least [`AMX_MIN_QUERIES`] queries (prefill) run
 /// the products on AMX tiles instead ([`crate::kernels::attn_amx`]): the call's keys and values
-/// are packed once, blocks take up to 64 rows, and the scores and weighted values are sums of
+/// are packed once (blocks of up to 64 rows), or past [`AMX_PACK_BUDGET`] by each block (of up
+/// to 256 rows) segment by segment, and the scores and weighted values are sums of
 /// the same exact bf16 products in another order (the softmax and every rounding as above).
 pub fn attend(
     simd: Simd,
@@ -174,7 +175,7 @@ pub fn attend(
     out: &mut CpuTensor,
     round: DType,
 ) {
-    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET, true)
+    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET, true, AMX_PACK_BUDGET)
 }
 
 /// Bytes of scores one attention task holds at most (16 MiB: a decode block of 8 heads keeps
@@ -183,8 +184,9 @@ const SCORE_BUDGET: usize = 16 << 20;
 
 /// [`attend`] with the task's score memory capped at `score_budget` bytes (tests force the
 /// segmented passes with a small one); `tiles`: the tile loops where the head dim allows
-/// ([`crate::kernels::attn_avx2`], [`crate::kernels::attn_avx512`]), else the one-row loops
-/// (tests compare the two).
+/// ([`crate::kernels::attn_avx2`], [`crate::kernels::attn_avx512`], AMX), else the one-row
+/// loops (tests compare the two); `amx_budget`: the most bytes of keys and values packed once
+/// per call for AMX (tests force per-block packing with 0).
 #[allow(clippy::too_many_arguments)]
 fn attend_with_budget(
     simd: Simd,
@@ -196,6 +198,7 @@ fn attend_with_budget(
     round: DType,
     score_budget: usize,
     tiles: bool,
+    amx_budget: usize,
 ) {
     let d = shape.head_dim;
     let qd = shape.n_heads * d;
@@ -203,12 +206,23 @@ fn attend_with_budget(
     let ocols = out.cols;
     assert!(out.rows >= chunk.row + chunk.len && ocols == qd, "attend: output has the wrong shape");
     let threads = rayon::current_num_threads().max(1);
-    let packed = amx_pack(simd, qkv, chunk, shape, kv, round, tiles);
+    let packed = amx_pack(simd, qkv, chunk, shape, kv, round, tiles, amx_budget);
     // Blocks as large as keep the pool busy: up to 8 queries x all heads of a KV group (with AMX
-    // tiles, up to 64 rows: every packed key and value then serves four row tiles).
+    // tiles, up to 64 rows, every packed key and value then serving four row tiles; 256 where
+    // each block packs its own).
+    let amx_rows = match &packed {
+        // Blocks that pack their own keys and values: as many rows as keep the call's whole
+        // span of scores within the score budget (one pass, not three), within 64..=256.
+        Some(Amx::PerBlock) => {
+            let lo = shape.window.map_or(0, |w| (chunk.start_pos + 1).saturating_sub(w));
+            let span = chunk.start_pos + chunk.len - lo;
+            (score_budget / (4 * span)).clamp(AMX_ROWS, AMX_ROWS_PACKING)
+        }
+        _ => AMX_ROWS,
+    };
     let (query_block, hb_max) = match &packed {
-        Some(_) if group <= AMX_ROWS => (AMX_ROWS / group, group),
-        Some(_) => (AMX_ROWS, 1),
+        Some(_) if group <= amx_rows => (amx_rows / group, group),
+        Some(_) => (amx_rows, 1),
         None => (QUERY_BLOCK, group),
     };
     let mut qb = query_block.min(chunk.len);
@@ -230,25 +244,44 @@ fn attend_with_budget(
     });
 }
 
-/// Rows of an AMX attention block at most.
+/// Rows of an AMX attention block at most: on keys and values packed once per call, and for a
+/// block that packs its own.
 #[cfg(target_arch = "x86_64")]
 const AMX_ROWS: usize = crate::kernels::attn_amx::ROWS;
+#[cfg(target_arch = "x86_64")]
+const AMX_ROWS_PACKING: usize = crate::kernels::attn_amx::ROWS_PACKING;
 #[cfg(not(target_arch = "x86_64"))]
 const AMX_ROWS: usize = 64;
+#[cfg(not(target_arch = "x86_64"))]
+const AMX_ROWS_PACKING: usize = 256;
 
-/// A call's keys and values packed into AMX tiles (x86-64 only; elsewhere no value exists).
+/// Keys and values packed into AMX tiles (x86-64 only; elsewhere no value exists).
 #[cfg(target_arch = "x86_64")]
 type Packed = crate::kernels::attn_amx::PackedKv;
 #[cfg(not(target_arch = "x86_64"))]
 enum Packed {}
+
+/// How a call's blocks reach AMX tiles.
+enum Amx {
+    /// The call's keys and values, packed once for every block.
+    Shared(Packed),
+    /// The span is past [`AMX_PACK_BUDGET`] (full layers deep into a long context): each block
+    /// packs the keys and values it reads, [`AMX_BLOCK_SEGMENT`] positions at a time (the keys
+    /// once per pass), in memory that does not grow with the context.
+    PerBlock,
+}
+
+/// Positions a block that packs its own keys and values packs at a time (1 MiB of packed keys
+/// and values at head dim 256).
+const AMX_BLOCK_SEGMENT: usize = 1024;
 
 /// Queries per call from which attention runs on AMX tiles (fewer: decode, whose blocks have
 /// too few rows to fill a tile, stays on the f32 loops).
 const AMX_MIN_QUERIES: usize = 16;
 
 /// The most bytes of packed keys and values one call holds (64 MiB: 32k positions of the 1.7B
-/// shape's two KV heads of 256); a longer span (full layers deep into a long context) runs
-/// the f32 loops.
+/// shape's two KV heads of 256); a longer span (full layers deep into a long context) is
+/// packed by each block, segment by segment ([`Amx::PerBlock`]).
 const AMX_PACK_BUDGET: usize = 64 << 20;
 
 /// Key (`value` false) or value row of KV head `kvh` at `pos`: from the chunk's own fused QKV
@@ -275,10 +308,11 @@ fn kv_row<'a>(
     }
 }
 
-/// The call's keys and values packed for AMX tiles, when this call runs on them: AMX granted,
-/// activations rounded to bf16 (so q, k, v and the probabilities are bf16 values), head dims a
-/// multiple of 32, at least [`AMX_MIN_QUERIES`] queries, and the span within
-/// [`AMX_PACK_BUDGET`].
+/// Whether this call runs on AMX tiles, and how: AMX granted, activations rounded to bf16 (so
+/// q, k, v and the probabilities are bf16 values), head dims a multiple of 32, at least
+/// [`AMX_MIN_QUERIES`] queries; the keys and values packed once here when they take at most
+/// `pack_budget` bytes, else by each block.
+#[allow(clippy::too_many_arguments)]
 fn amx_pack(
     simd: Simd,
     qkv: &CpuTensor,
@@ -287,7 +321,8 @@ fn amx_pack(
     kv: &CpuKv,
     round: DType,
     tiles: bool,
-) -> Option<Packed> {
+    pack_budget: usize,
+) -> Option<Amx> {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::kernels::attn_amx::PackedKv;
@@ -303,16 +338,16 @@ fn amx_pack(
         }
         let lo = shape.window.map_or(0, |w| (chunk.start_pos + 1).saturating_sub(w));
         let n = chunk.start_pos + chunk.len - lo;
-        if PackedKv::bytes(shape.n_kv_heads, d, n) > AMX_PACK_BUDGET {
-            return None;
+        if PackedKv::bytes(shape.n_kv_heads, d, n) > pack_budget {
+            return Some(Amx::PerBlock);
         }
         let row = |value: bool, kvh: usize, pos: usize| kv_row(qkv, chunk, shape, kv, value, kvh, pos);
         // SAFETY: AMX available implies AVX-512F and AVX-512BW (`amx::available`).
-        Some(unsafe { PackedKv::pack(shape.n_kv_heads, d, lo, n, &row) })
+        Some(Amx::Shared(unsafe { PackedKv::pack(shape.n_kv_heads, d, lo, n, &row) }))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (simd, qkv, chunk, shape, kv, round, tiles);
+        let _ = (simd, qkv, chunk, shape, kv, round, tiles, pack_budget);
         None
     }
 }
@@ -328,7 +363,7 @@ struct BlockArgs<'a> {
     ocols: usize,
     score_budget: usize,
     tiles: bool,
-    amx: Option<&'a Packed>,
+    amx: Option<&'a Amx>,
 }
 
 /// Queries per attention task at most.
@@ -376,6 +411,8 @@ struct Scratch {
     pa: Vec<u16>,
     /// AMX: one key group's score tiles.
     ctiles: Vec<[f32; 256]>,
+    /// AMX: a segment's keys and values, for a block that packs its own ([`Amx::PerBlock`]).
+    own: Option<Packed>,
 }
 
 /// Calls `f(t0, t1, tile)` for each tile `t0..=t1` of at most [`KV_TILE`] positions in
@@ -413,9 +450,10 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
     let (lo, hi) = (lo_of(b.i0), pos_of(b.i1 - 1));
     let span = hi + 1 - lo;
     let key = |pos: usize| kv_row(qkv, chunk, shape, kv, false, kvh, pos);
+    let row = |value: bool, kvh: usize, pos: usize| kv_row(qkv, chunk, shape, kv, value, kvh, pos);
     let value = |pos: usize| kv_row(qkv, chunk, shape, kv, true, kvh, pos);
     let query = |i: usize, h: usize| &qkv.data[(chunk.row + i) * qkv.cols + h * d..][..d];
-    let Scratch { scores, acc, tile, dots, qa, pa, ctiles } = scratch;
+    let Scratch { scores, acc, tile, dots, qa, pa, ctiles, own } = scratch;
     // AVX2 or AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
     let wide = amx.is_none() && tiles && cfg!(target_arch = "x86_64") && simd >= Simd::Avx2 && d.is_multiple_of(32);
     let avx512 = simd >= Simd::Avx512;
@@ -427,10 +465,10 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
     let nrt = nrows.div_ceil(16);
     #[cfg(target_arch = "x86_64")]
     if amx.is_some() {
-        debug_assert!(nrows <= AMX_ROWS);
+        debug_assert!(nrows <= AMX_ROWS_PACKING);
         let mut rows = Vec::with_capacity(nrows);
         b.each_row(|i, h, _| rows.push(query(i, h)));
-        ctiles.resize(4, [0.0; 256]);
+        ctiles.resize(nrt, [0.0; 256]);
         // SAFETY: an AMX block exists only when AMX is available (`amx_pack`), which implies
         // AVX-512F/BW; the rows are d long, d a multiple of 32. The tile state is released at
         // the end of this function.
@@ -466,30 +504,49 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
             let s1 = (s0 + seg - 1).min(hi);
             let len = s1 + 1 - s0;
             // Scores of positions s0..=s1 (`[row][len]`), each key row read once for the block.
-            if let Some(p) = amx {
+            if let Some(mode) = amx {
                 #[cfg(target_arch = "x86_64")]
                 {
                     use crate::kernels::attn_amx::{scale_scores, scores as amx_scores, KEY_GROUP};
-                    let ct: &mut [[f32; 256]; 4] = (&mut ctiles[..4]).try_into().expect("four score tiles");
-                    for g in (s0 - p.base()) / KEY_GROUP..=(s1 - p.base()) / KEY_GROUP {
-                        let gp = p.base() + g * KEY_GROUP;
-                        // SAFETY: the tile configuration is loaded on this thread (above); qa
-                        // holds nrt <= 4 row tiles of d / 32 steps; positions s0..=s1 lie in the
-                        // packed span, so group g is one of its groups.
-                        unsafe { amx_scores(p, kvh, g, qa, nrt, ct) };
-                        let (t0, t1) = (gp.max(s0), (gp + KEY_GROUP - 1).min(s1));
-                        b.each_row(|i, _, r| {
-                            if let Some((a, z)) = range(i, t0, t1) {
-                                let c = &ct[r / 16][(r % 16) * 16..][..16];
-                                // SAFETY: AVX-512F (AMX available); the destination holds the
-                                // z - a + 1 scores of row r from position a.
-                                unsafe { scale_scores(&c[a - gp..=z - gp], shape.scale, &mut sc[r * len + a - s0..]) };
+                    let ct = &mut ctiles[..nrt];
+                    // Runs of positions q0..=q1: the whole segment on the shared packing, else
+                    // AMX_BLOCK_SEGMENT at a time, their keys packed here (as KV head 0).
+                    for q0 in (s0..=s1).step_by(if let Amx::Shared(_) = mode { len } else { AMX_BLOCK_SEGMENT }) {
+                        let q1 = if let Amx::Shared(_) = mode { s1 } else { (q0 + AMX_BLOCK_SEGMENT - 1).min(s1) };
+                        let (p, kvh) = match mode {
+                            Amx::Shared(p) => (p, kvh),
+                            Amx::PerBlock => {
+                                let own = own.get_or_insert_with(Packed::default);
+                                // SAFETY: AVX-512F/BW (AMX available).
+                                unsafe { own.repack(kvh..kvh + 1, d, q0, q1 + 1 - q0, &row, (true, false), false) };
+                                (&*own, 0)
                             }
-                        });
+                        };
+                        for g in (q0 - p.base()) / KEY_GROUP..=(q1 - p.base()) / KEY_GROUP {
+                            let gp = p.base() + g * KEY_GROUP;
+                            // SAFETY: the tile configuration is loaded on this thread (above); qa
+                            // holds nrt row tiles of d / 32 steps, ct nrt tiles; positions q0..=q1 lie
+                            // in the packed span, so group g is one of its groups.
+                            unsafe { amx_scores(p, kvh, g, qa, nrt, ct) };
+                            let (t0, t1) = (gp.max(q0), (gp + KEY_GROUP - 1).min(q1));
+                            b.each_row(|i, _, r| {
+                                if let Some((a, z)) = range(i, t0, t1) {
+                                    let c = &ct[r / 16][(r % 16) * 16..][..16];
+                                    // SAFETY: AVX-512F (AMX available); the destination holds the
+                                    // z - a + 1 scores of row r from position a.
+                                    unsafe {
+                                        scale_scores(&c[a - gp..=z - gp], shape.scale, &mut sc[r * len + a - s0..])
+                                    };
+                                }
+                            });
+                        }
                     }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
-                match *p {}
+                {
+                    let _ = mode;
+                    unreachable!("AMX attention exists on x86-64 only");
+                }
             } else if wide {
                 #[cfg(target_arch = "x86_64")]
                 for_tiles(s0, s1, d, tile, key, |t0, t1, tile| {
@@ -563,39 +620,55 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                 continue;
             }
             // `acc[r] += sum_j p_j v_j` over s0..=s1, each value row read once for the block.
-            if let Some(p) = amx {
+            if let Some(mode) = amx {
                 #[cfg(target_arch = "x86_64")]
                 {
                     use crate::kernels::attn_amx::{bf16_bits, weighted, VALUE_BLOCK};
-                    // The probabilities as A tiles `[block][row tile]` (16 rows x 32 positions,
-                    // bf16: rounded to bf16 above, so the high halves exactly), zero where a row
-                    // does not see a position.
-                    let b0 = (s0 - p.base()) / VALUE_BLOCK;
-                    let nb = (s1 - p.base()) / VALUE_BLOCK + 1 - b0;
-                    pa.clear();
-                    pa.resize(nb * nrt * 512, 0);
-                    b.each_row(|i, _, r| {
-                        if let Some((a, z)) = range(i, s0, s1) {
-                            let (rt, ri) = (r / 16, r % 16);
-                            // Runs of positions inside one value block, a tile row each.
-                            let mut pos = a;
-                            while pos <= z {
-                                let (bi, j) = ((pos - p.base()) / VALUE_BLOCK - b0, (pos - p.base()) % VALUE_BLOCK);
-                                let run = (VALUE_BLOCK - j).min(z + 1 - pos);
-                                let dst = &mut pa[(bi * nrt + rt) * 512 + ri * 32 + j..][..run];
-                                // SAFETY: AVX-512F (AMX available); both hold `run` values.
-                                unsafe { bf16_bits(&sc[r * len + pos - s0..][..run], dst) };
-                                pos += run;
+                    // Runs of positions as for the scores, their values packed here.
+                    for q0 in (s0..=s1).step_by(if let Amx::Shared(_) = mode { len } else { AMX_BLOCK_SEGMENT }) {
+                        let q1 = if let Amx::Shared(_) = mode { s1 } else { (q0 + AMX_BLOCK_SEGMENT - 1).min(s1) };
+                        let (p, kvh) = match mode {
+                            Amx::Shared(p) => (p, kvh),
+                            Amx::PerBlock => {
+                                let own = own.get_or_insert_with(Packed::default);
+                                // SAFETY: AVX-512F/BW (AMX available).
+                                unsafe { own.repack(kvh..kvh + 1, d, q0, q1 + 1 - q0, &row, (false, true), false) };
+                                (&*own, 0)
                             }
-                        }
-                    });
-                    // SAFETY: the tile configuration is loaded on this thread; pa holds nb * nrt
-                    // tiles; acc holds 16 nrt rows of d; blocks b0..b0 + nb cover s0..=s1,
-                    // inside the packed span.
-                    unsafe { weighted(p, kvh, b0, nb, pa, nrt, acc) };
+                        };
+                        // The probabilities as A tiles `[block][row tile]` (16 rows x 32 positions,
+                        // bf16: rounded to bf16 above, so the high halves exactly), zero where a row
+                        // does not see a position.
+                        let b0 = (q0 - p.base()) / VALUE_BLOCK;
+                        let nb = (q1 - p.base()) / VALUE_BLOCK + 1 - b0;
+                        pa.clear();
+                        pa.resize(nb * nrt * 512, 0);
+                        b.each_row(|i, _, r| {
+                            if let Some((a, z)) = range(i, q0, q1) {
+                                let (rt, ri) = (r / 16, r % 16);
+                                // Runs of positions inside one value block, a tile row each.
+                                let mut pos = a;
+                                while pos <= z {
+                                    let (bi, j) = ((pos - p.base()) / VALUE_BLOCK - b0, (pos - p.base()) % VALUE_BLOCK);
+                                    let run = (VALUE_BLOCK - j).min(z + 1 - pos);
+                                    let dst = &mut pa[(bi * nrt + rt) * 512 + ri * 32 + j..][..run];
+                                    // SAFETY: AVX-512F (AMX available); both hold `run` values.
+                                    unsafe { bf16_bits(&sc[r * len + pos - s0..][..run], dst) };
+                                    pos += run;
+                                }
+                            }
+                        });
+                        // SAFETY: the tile configuration is loaded on this thread; pa holds nb * nrt
+                        // tiles; acc holds 16 nrt rows of d; blocks b0..b0 + nb cover q0..=q1,
+                        // inside the packed span.
+                        unsafe { weighted(p, kvh, b0, nb, pa, nrt, acc) };
+                    }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
-                match *p {}
+                {
+                    let _ = mode;
+                    unreachable!("AMX attention exists on x86-64 only");
+                }
             } else if wide {
                 #[cfg(target_arch = "x86_64")]
                 for_tiles(s0, s1, d, tile, value, |t0, t1, tile| {
@@ -701,9 +774,27 @@ mod tests {
         budget: usize,
         tiles: bool,
     ) -> Vec<f32> {
+        run_packing(pool, simd, shape, dtype, kv, qkv, chunk, budget, tiles, AMX_PACK_BUDGET)
+    }
+
+    /// [`run`] with AMX keys and values packed per call only up to `amx_budget` bytes (0: every
+    /// block packs its own).
+    #[allow(clippy::too_many_arguments)]
+    fn run_packing(
+        pool: &rayon::ThreadPool,
+        simd: Simd,
+        shape: AttnShape,
+        dtype: DType,
+        kv: &CpuKv,
+        qkv: &CpuTensor,
+        chunk: AttnChunk,
+        budget: usize,
+        tiles: bool,
+        amx_budget: usize,
+    ) -> Vec<f32> {
         let cols = shape.n_heads * shape.head_dim;
         let mut out = CpuTensor { rows: chunk.len, cols, data: vec![0.0; chunk.len * cols] };
-        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget, tiles));
+        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget, tiles, amx_budget));
         assert!(out.data.iter().all(|v| v.is_finite()) && out.data.iter().any(|&v| v != 0.0));
         out.data
     }
@@ -759,8 +850,9 @@ mod tests {
         ];
         let mut worst = 0.0f32;
         // A long prefill, a chunk over the cache (ring wrapped for the sliding cases), a chunk
-        // of exactly 16 and one of 17 queries, a decode token (f32 loops on both sides).
-        each_chunk(5, &cases, &[150, 70, 16, 17, 1], 2.0, |shape, dtype, kv, qkv, chunk| {
+        // of exactly 16 and one of 17 queries, a decode token (f32 loops on both sides), and a
+        // chunk whose full-layer span passes AMX_BLOCK_SEGMENT (several runs of packing).
+        each_chunk(5, &cases, &[150, 70, 16, 17, 1, 1000], 2.0, |shape, dtype, kv, qkv, chunk| {
             let f32_loops = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
             let tiles = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
             let scale = f32_loops.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -770,13 +862,75 @@ mod tests {
             if chunk.len == 1 {
                 assert!(same_bits(&f32_loops, &tiles), "decode must stay on the f32 loops");
             }
-            for budget in [1, 4 * 64 * 2 * KV_TILE] {
-                let seg = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, budget, true);
+            // Scores held in segments (several passes), and keys and values packed by each
+            // block rather than once per call, segment by segment.
+            for (budget, amx_budget) in
+                [(1, AMX_PACK_BUDGET), (4 * 64 * 2 * KV_TILE, AMX_PACK_BUDGET), (SCORE_BUDGET, 0), (1, 0)]
+            {
+                let seg = run_packing(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, budget, true, amx_budget);
                 let err = tiles.iter().zip(&seg).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
-                assert!(err <= AMX_TOLERANCE, "{shape:?} chunk {chunk:?} budget {budget}: segments differ by {err}");
+                assert!(
+                    err <= AMX_TOLERANCE,
+                    "{shape:?} chunk {chunk:?} budget {budget}, packing {amx_budget}: differs by {err}"
+                );
             }
         });
         eprintln!("AMX attention vs the f32 loops: largest difference {worst} of the largest output");
+    }
+
+    /// Times one full-attention prefill chunk deep into a context on the 1.7B shape (8 query
+    /// heads, 2 KV heads of 256, bf16), two threads: the f32 loops (AVX-512), AMX with the
+    /// call's keys and values packed once, AMX with each block packing its own. Not a test of
+    /// speed (it asserts nothing about it): `cargo test --release -p backend-cpu --lib
+    /// bench_long_span -- --ignored --nocapture`, `ATTN_BENCH_POS` (default 8192) positions in
+    /// the cache, `ATTN_BENCH_CHUNK` (default 512) queries.
+    #[test]
+    #[ignore]
+    fn bench_long_span() {
+        if Simd::detect() < Simd::Amx {
+            eprintln!("skipped: this CPU has no AMX");
+            return;
+        }
+        let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+        let (pos, len) = (env("ATTN_BENCH_POS", 8192), env("ATTN_BENCH_CHUNK", 512));
+        let d = 256;
+        let shape = AttnShape { n_heads: 8, n_kv_heads: 2, head_dim: d, window: None, scale: 1.0 / 16.0 };
+        let mut kv =
+            CpuKv::new(KvSpec { kind: KvKind::Grow { max: pos + len }, kv_heads: 2, head_dim: d, dtype: DType::BF16 });
+        let cols = (8 + 2 * 2) * d;
+        let mut seed = 1u32;
+        let mut fill = |rows: usize| {
+            let data = (0..rows * cols)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    spark_core::dtype::round_bf16((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+                })
+                .collect();
+            CpuTensor { rows, cols, data }
+        };
+        for p0 in (0..pos).step_by(4096) {
+            let n = 4096.min(pos - p0);
+            let qkv = fill(n);
+            kv.append(&qkv, AttnChunk { row: 0, len: n, start_pos: p0 }, shape).unwrap();
+        }
+        let qkv = fill(len);
+        let chunk = AttnChunk { row: 0, len, start_pos: pos };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        for (name, simd, amx_budget) in [
+            ("f32 loops (AVX-512)", Simd::Avx512, 0),
+            ("AMX, packed per call", Simd::Amx, usize::MAX),
+            ("AMX, packed per block", Simd::Amx, 0),
+        ] {
+            let mut ms: Vec<f64> = (0..3)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    run_packing(&pool, simd, shape, DType::BF16, &kv, &qkv, chunk, SCORE_BUDGET, true, amx_budget);
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            eprintln!("{pos} cached + {len} queries, {name}: median {:.1} ms (runs {ms:.1?})", ms[1]);
+        }
     }
 
     /// How far the AMX tiles may drift from the f32 loops, relative to the largest output.

@@ -27,8 +27,12 @@ use rayon::prelude::*;
 use super::amx::{round_bf16_high, transpose16};
 use super::Row;
 
-/// (query, head) rows per block at most: four row tiles.
+/// (query, head) rows per block whose keys and values are packed once per call: four row
+/// tiles, held in tmm0-3 together.
 pub const ROWS: usize = 64;
+/// (query, head) rows per block that packs its own keys and values: sixteen row tiles, in
+/// groups of four, so that each packed segment serves 256 rows.
+pub const ROWS_PACKING: usize = 256;
 /// Positions per key group (one score tile's columns).
 pub const KEY_GROUP: usize = 16;
 /// Positions per value block (one probability tile's columns).
@@ -36,8 +40,9 @@ pub const VALUE_BLOCK: usize = 32;
 /// u16 elements of one tile (16 rows x 64 bytes).
 const TILE_U16: usize = 512;
 
-/// Keys and values of positions `base..base + n` of every KV head, packed into B tiles (see the
-/// module doc).
+/// Keys and values of positions `base..base + n` of a range of KV heads, packed into B tiles
+/// (see the module doc).
+#[derive(Default)]
 pub struct PackedKv {
     base: usize,
     n: usize,
@@ -56,10 +61,8 @@ impl PackedKv {
         (k + v) * kv_heads * 2
     }
 
-    /// Pack positions `base..base + n` of `kv_heads` heads of `d` columns (a multiple of 32):
-    /// `row(value, kvh, pos)` gives the key (`value` false) or value row of KV head `kvh` at
-    /// `pos`, `d` long. Rows are rounded to bf16 ([`spark_core::dtype::round_bf16`]); positions
-    /// past `n` in the last group or block are zero. Runs on the rayon pool.
+    /// Pack positions `base..base + n` of every one of `kv_heads` heads on the rayon pool
+    /// ([`PackedKv::repack`]).
     ///
     /// # Safety
     /// AVX-512F and AVX-512BW are present.
@@ -70,34 +73,81 @@ impl PackedKv {
         n: usize,
         row: &(dyn Fn(bool, usize, usize) -> Row<'a> + Sync),
     ) -> PackedKv {
+        let mut p = PackedKv::default();
+        p.repack(0..kv_heads, d, base, n, row, (true, true), true);
+        p
+    }
+
+    /// Pack positions `base..base + n` of KV heads `heads` (held from index 0), reusing this
+    /// value's memory: `row(value, kvh, pos)` gives the key (`value` false) or value row of KV
+    /// head `kvh` at `pos`, `d` long (a multiple of 32). `which`: whether to pack the keys, the
+    /// values (the other keeps its old contents, stale). Rows are rounded to bf16
+    /// ([`spark_core::dtype::round_bf16`]); positions past `n` in the last group or block are
+    /// zero. `parallel`: on the rayon pool, else on this thread.
+    ///
+    /// # Safety
+    /// AVX-512F and AVX-512BW are present.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn repack<'a>(
+        &mut self,
+        heads: std::ops::Range<usize>,
+        d: usize,
+        base: usize,
+        n: usize,
+        row: &(dyn Fn(bool, usize, usize) -> Row<'a> + Sync),
+        which: (bool, bool),
+        parallel: bool,
+    ) {
         assert!(d.is_multiple_of(32) && d > 0, "attn_amx: head dim {d} is not a multiple of 32");
-        let groups = n.div_ceil(KEY_GROUP);
-        let blocks = n.div_ceil(VALUE_BLOCK);
-        let ksteps = d / 32;
-        let vgroups = d / 16;
-        let mut k = vec![0u16; kv_heads * groups * ksteps * TILE_U16];
-        let mut v = vec![0u16; kv_heads * blocks * vgroups * TILE_U16];
-        k.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(|(i, tiles)| {
-            let (kvh, g) = (i / groups, i % groups);
-            let p0 = g * KEY_GROUP;
-            let rows: Vec<Row<'a>> = (p0..(p0 + KEY_GROUP).min(n)).map(|p| row(false, kvh, base + p)).collect();
+        (self.base, self.n, self.d) = (base, n, d);
+        let nh = heads.len();
+        let (groups, blocks) = (n.div_ceil(KEY_GROUP), n.div_ceil(VALUE_BLOCK));
+        let (ksteps, vgroups) = (d / 32, d / 16);
+        // Every tile is written whole below, so reused memory needs no clearing.
+        let fill_k = |(i, tiles): (usize, &mut [u16])| {
+            let (kvh, p0) = (heads.start + i / groups, (i % groups) * KEY_GROUP);
+            let mut rows = [Row::F32(&[]); KEY_GROUP];
+            let cnt = KEY_GROUP.min(n - p0);
+            for (t, r) in rows.iter_mut().enumerate().take(cnt) {
+                *r = row(false, kvh, base + p0 + t);
+            }
             for (s, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
                 // SAFETY: AVX-512F/BW (this function's contract); every row holds d >= 32 (s + 1)
                 // values; `tile` is one tile.
-                unsafe { key_tile(&rows, s * 32, tile) };
+                unsafe { key_tile(&rows[..cnt], s * 32, tile) };
             }
-        });
-        v.par_chunks_mut(vgroups * TILE_U16).enumerate().for_each(|(i, tiles)| {
-            let (kvh, b) = (i / blocks, i % blocks);
-            let p0 = b * VALUE_BLOCK;
-            let rows: Vec<Row<'a>> = (p0..(p0 + VALUE_BLOCK).min(n)).map(|p| row(true, kvh, base + p)).collect();
+        };
+        let fill_v = |(i, tiles): (usize, &mut [u16])| {
+            let (kvh, p0) = (heads.start + i / blocks, (i % blocks) * VALUE_BLOCK);
+            let mut rows = [Row::F32(&[]); VALUE_BLOCK];
+            let cnt = VALUE_BLOCK.min(n - p0);
+            for (t, r) in rows.iter_mut().enumerate().take(cnt) {
+                *r = row(true, kvh, base + p0 + t);
+            }
             for (g, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
                 // SAFETY: AVX-512F/BW (this function's contract); every row holds d >= 16 (g + 1)
                 // values; `tile` is one tile.
-                unsafe { value_tile(&rows, g * 16, tile) };
+                unsafe { value_tile(&rows[..cnt], g * 16, tile) };
             }
-        });
-        PackedKv { base, n, d, k, v }
+        };
+        if which.0 {
+            self.k.resize(nh * groups * ksteps * TILE_U16, 0);
+            let k = &mut self.k[..nh * groups * ksteps * TILE_U16];
+            if parallel {
+                k.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(fill_k);
+            } else {
+                k.chunks_mut(ksteps * TILE_U16).enumerate().for_each(fill_k);
+            }
+        }
+        if which.1 {
+            self.v.resize(nh * blocks * vgroups * TILE_U16, 0);
+            let v = &mut self.v[..nh * blocks * vgroups * TILE_U16];
+            if parallel {
+                v.par_chunks_mut(vgroups * TILE_U16).enumerate().for_each(fill_v);
+            } else {
+                v.chunks_mut(vgroups * TILE_U16).enumerate().for_each(fill_v);
+            }
+        }
     }
 
     /// The first position held.
@@ -342,56 +392,67 @@ unsafe fn on_row_tile(rt: usize, op: Op) {
     }
 }
 
+/// Row tiles held in tmm0-3 at once; blocks of more rows run in groups of these.
+const TILE_GROUP: usize = 4;
+
 /// Scores of key group `g` of KV head `kvh`: `c[rt]` (16 rows x 16 keys, f32) = the `nrt`
-/// row tiles of `qa` ([`pack_queries`]) times the group's keys.
+/// row tiles of `qa` ([`pack_queries`]) times the group's keys, four row tiles at a time.
 ///
 /// # Safety
 /// AMX is available and this thread has loaded the tile configuration (every tile 16 x 64
-/// bytes); `qa` holds `nrt <= 4` row tiles of `kv.d / 32` steps; `g` is a group of `kv`.
-pub unsafe fn scores(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: usize, c: &mut [[f32; 256]; 4]) {
+/// bytes); `qa` holds `nrt` row tiles of `kv.d / 32` steps, `c` at least `nrt` tiles; `g` is a
+/// group of `kv`.
+pub unsafe fn scores(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: usize, c: &mut [[f32; 256]]) {
     let ksteps = kv.d / 32;
-    debug_assert!(nrt <= 4 && qa.len() >= nrt * ksteps * TILE_U16);
+    debug_assert!(qa.len() >= nrt * ksteps * TILE_U16 && c.len() >= nrt);
     let kt = kv.key_group(kvh, g);
-    for rt in 0..nrt {
-        on_row_tile(rt, Op::Zero);
-    }
-    for s in 0..ksteps {
-        load::<4>(kt.add(s * TILE_U16).cast(), 64);
-        for rt in 0..nrt {
-            load::<5>(qa.as_ptr().add((rt * ksteps + s) * TILE_U16).cast(), 64);
-            on_row_tile(rt, Op::Dot);
+    for r0 in (0..nrt).step_by(TILE_GROUP) {
+        let nt = TILE_GROUP.min(nrt - r0);
+        for t in 0..nt {
+            on_row_tile(t, Op::Zero);
         }
-    }
-    for (rt, tile) in c.iter_mut().enumerate().take(nrt) {
-        on_row_tile(rt, Op::Store(tile.as_mut_ptr().cast(), 64));
+        for s in 0..ksteps {
+            load::<4>(kt.add(s * TILE_U16).cast(), 64);
+            for t in 0..nt {
+                load::<5>(qa.as_ptr().add(((r0 + t) * ksteps + s) * TILE_U16).cast(), 64);
+                on_row_tile(t, Op::Dot);
+            }
+        }
+        for t in 0..nt {
+            on_row_tile(t, Op::Store(c[r0 + t].as_mut_ptr().cast(), 64));
+        }
     }
 }
 
 /// `acc[r][..d] += sum_j p[r][j] v[j]` over value blocks `b0..b0 + nb` of KV head `kvh`: `pa`
 /// holds `[block][row tile]` A tiles of probabilities (16 rows x 32 positions, bf16), `acc` the
-/// `16 nrt` rows of `d` f32 (row stride `d`).
+/// `16 nrt` rows of `d` f32 (row stride `d`); four row tiles at a time.
 ///
 /// # Safety
 /// AMX is available and this thread has loaded the tile configuration; `pa` holds `nb * nrt`
-/// tiles, `nrt <= 4`; `acc` holds `16 nrt` rows of `kv.d`; the blocks are blocks of `kv`.
+/// tiles; `acc` holds `16 nrt` rows of `kv.d`; the blocks are blocks of `kv`.
 pub unsafe fn weighted(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[u16], nrt: usize, acc: &mut [f32]) {
     let d = kv.d;
     let vgroups = d / 16;
-    debug_assert!(nrt <= 4 && pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
+    debug_assert!(pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
     let vt = kv.value_block(kvh, b0);
-    for g in 0..vgroups {
-        for rt in 0..nrt {
-            on_row_tile(rt, Op::Load(acc.as_ptr().add(16 * rt * d + 16 * g).cast(), 4 * d));
-        }
-        for b in 0..nb {
-            load::<4>(vt.add((b * vgroups + g) * TILE_U16).cast(), 64);
-            for rt in 0..nrt {
-                load::<5>(pa.as_ptr().add((b * nrt + rt) * TILE_U16).cast(), 64);
-                on_row_tile(rt, Op::Dot);
+    for r0 in (0..nrt).step_by(TILE_GROUP) {
+        let nt = TILE_GROUP.min(nrt - r0);
+        for g in 0..vgroups {
+            let at = |t: usize| 16 * (r0 + t) * d + 16 * g;
+            for t in 0..nt {
+                on_row_tile(t, Op::Load(acc.as_ptr().add(at(t)).cast(), 4 * d));
             }
-        }
-        for rt in 0..nrt {
-            on_row_tile(rt, Op::Store(acc.as_mut_ptr().add(16 * rt * d + 16 * g).cast(), 4 * d));
+            for b in 0..nb {
+                load::<4>(vt.add((b * vgroups + g) * TILE_U16).cast(), 64);
+                for t in 0..nt {
+                    load::<5>(pa.as_ptr().add((b * nrt + r0 + t) * TILE_U16).cast(), 64);
+                    on_row_tile(t, Op::Dot);
+                }
+            }
+            for t in 0..nt {
+                on_row_tile(t, Op::Store(acc.as_mut_ptr().add(at(t)).cast(), 4 * d));
+            }
         }
     }
 }
