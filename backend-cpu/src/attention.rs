@@ -261,6 +261,7 @@ type Packed = crate::kernels::attn_amx::PackedKv;
 #[cfg(not(target_arch = "x86_64"))]
 enum Packed {}
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 /// How a call's blocks reach AMX tiles.
 enum Amx {
     /// The call's keys and values, packed once for every block.
@@ -273,10 +274,12 @@ enum Amx {
 
 /// Positions a block that packs its own keys and values packs at a time (1 MiB of packed keys
 /// and values at head dim 256).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const AMX_BLOCK_SEGMENT: usize = 1024;
 
 /// Queries per call from which attention runs on AMX tiles (fewer: decode, whose blocks have
 /// too few rows to fill a tile, stays on the f32 loops).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const AMX_MIN_QUERIES: usize = 16;
 
 /// The most bytes of packed keys and values one call holds (64 MiB: 32k positions of the 1.7B
@@ -417,6 +420,7 @@ struct Scratch {
 
 /// Calls `f(t0, t1, tile)` for each tile `t0..=t1` of at most [`KV_TILE`] positions in
 /// `lo..=hi`, with `tile` holding `row(pos)` as f32 (`d` apart) for the tile's positions.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn for_tiles<'a>(
     lo: usize,
     hi: usize,
@@ -437,6 +441,7 @@ fn for_tiles<'a>(
 /// Key / value rows per tile of the tile loops (32 KiB of f32 at head_dim 128).
 const KV_TILE: usize = 64;
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(never)]
 fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratch) {
     let &BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx } = args;

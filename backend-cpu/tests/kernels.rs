@@ -126,6 +126,7 @@ fn bf16_rows_convert_exactly() {
 /// in any order (two bf16 terms), placed above, at and below half a bf16 ulp of 1, in every row
 /// of a 16-row block and in a row tail, at 1 and 17 tokens.
 #[test]
+#[cfg(target_arch = "x86_64")]
 fn amx_rounds_outputs_to_nearest_even_bf16() {
     use spark_backend_cpu::kernels::amx;
     if !amx::available() {

@@ -327,6 +327,7 @@ fn avx2_level_holds_sub_scaled_int4_with_f16_sides() {
 /// leave a partial micro-kernel tile: against the f64 reference on the same activations (one
 /// scale per super-block), and `quant_matmul` takes this path at the AVX2 level.
 #[test]
+#[cfg(target_arch = "x86_64")]
 fn avx2_quantized_prefill_panels_match_f64_reference() {
     use spark_backend_cpu::kernels::qprefill_avx2;
     use spark_core::quant::{quantize, QuantSpec};
@@ -779,7 +780,9 @@ fn bench_kernels() {
                     let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, wk, &mut out, DType::F32));
                     report("AVX2 sub-scales", s, *bytes);
                 }
+                #[cfg(target_arch = "x86_64")]
                 let (pbytes, wp) = sub.as_ref().map_or((qt.nbytes(), &w), |(b, wk)| (*b, wk));
+                #[cfg(target_arch = "x86_64")]
                 if spark_backend_cpu::kernels::qprefill_avx2::takes(QSimd::Avx2, wp, n) {
                     use spark_backend_cpu::kernels::qprefill_avx2;
                     let s = time(&mut || qprefill_avx2::matmul(&x, n, k, wp, &mut out, DType::F32));

@@ -66,9 +66,15 @@ pub const AMX_QUANT_MIN_TOKENS: usize = 32;
 /// Below this many tokens, matmuls run as a multi-token GEMV (no panel packing).
 const SMALL_BATCH: usize = 16;
 /// Tokens per AVX2 micro-kernel call.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const MR: usize = 6;
 /// Tokens per AVX-512 micro-kernel call.
+#[cfg(target_arch = "x86_64")]
 const MR_512: usize = super::avx512::MR;
+/// Other architectures never take the AVX-512 panels.
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(dead_code)]
+const MR_512: usize = MR;
 
 /// From this many tokens, int8/int4 matmuls on CPUs whose integer level is AVX2 (no VNNI, no
 /// AMX: Zen 2/3, Haswell to Coffee Lake) run the float prefill on dequantized panels
@@ -91,6 +97,7 @@ pub const AVX2_QUANT_PANEL_MIN_TOKENS: usize = 32;
 ///
 /// # Panics
 /// If `simd` or this CPU is below [`Simd::Avx2`].
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub fn quant_panels(
     simd: Simd,
     x: &[f32],

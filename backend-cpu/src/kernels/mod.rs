@@ -151,6 +151,7 @@ impl QSimd {
 /// Runs `$go!(R, T)` for a register tile of `$nr` rows and `$nt` tokens (1 to 4), turning the
 /// run-time tile shape into a kernel's const generics. `@rows4`: rows 4 or 1; otherwise 8 rows
 /// (one token only) as well.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! tile_shape {
     (@rows4 $nr:expr, $nt:expr, $go:ident) => {
         match ($nr, $nt) {
@@ -172,6 +173,7 @@ macro_rules! tile_shape {
         }
     };
 }
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_imports))]
 pub(crate) use tile_shape;
 
 /// Calls `$run::<$f, $s, E>($args)` with `E` the type of the weight's scales and biases: f16
@@ -194,12 +196,14 @@ pub(crate) use by_side;
 /// prefetcher to keep a decode GEMV at the memory's pace on its own (measured: +15-25 % decode
 /// speed on Sapphire Rapids).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Prefetcher {
     next: *const u8,
     /// Bytes per step (0: nothing to prefetch).
     step: usize,
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl Prefetcher {
     /// Nothing to prefetch.
     pub(crate) fn none() -> Prefetcher {
@@ -369,7 +373,8 @@ pub fn dot(simd: Simd, x: &[f32], w: Row<'_>) -> f32 {
         // SAFETY: `Simd::Avx2`/`Avx512` are only produced by `detect` after checking avx2, fma
         // and f16c.
         Simd::Avx2 | Simd::Avx512 | Simd::Amx => unsafe { avx2::dot(x, w) },
-        Simd::Portable => portable::dot(x, w),
+        // Other architectures: `detect` never returns an x86 level there.
+        _ => portable::dot(x, w),
     }
 }
 
@@ -381,6 +386,7 @@ pub fn axpy(simd: Simd, a: f32, w: Row<'_>, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`.
         Simd::Avx2 | Simd::Avx512 | Simd::Amx => unsafe { avx2::axpy(a, w, out) },
-        Simd::Portable => portable::axpy(a, w, out),
+        // Other architectures: `detect` never returns an x86 level there.
+        _ => portable::axpy(a, w, out),
     }
 }

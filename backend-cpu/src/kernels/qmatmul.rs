@@ -829,6 +829,7 @@ fn quantize_values(x: &[f32], q: &mut [i8], d: &mut [f32], a: &mut [f32], sidx: 
         let xs = &x[c0..(b1 * QBLOCK).min(x.len())];
         let qs = &mut q[c0..c0 + xs.len()];
         let sums = &mut sums[..b1 - b0];
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_labels))]
         let scale = 'scale: {
             #[cfg(target_arch = "x86_64")]
             if simd && xs.len() == QBLOCK * sums.len() {
@@ -874,6 +875,7 @@ const SMALL_BATCH: usize = 16;
 const PREFILL_BYTES: usize = 256 * 1024;
 
 /// What a tile kernel needs: the row tile, the token tile, the scale table.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct TileArgs<'a> {
     /// Packed rows, `row_bytes` apart, starting at the tile's first row.
     pub w: *const u8,
@@ -904,6 +906,7 @@ pub(crate) struct TileArgs<'a> {
     pub next_rows: usize,
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl TileArgs<'_> {
     /// The prefetch of the `next_rows` rows after this tile's `tile_rows`, over its `n` steps.
     pub fn prefetcher(&self, tile_rows: usize, n: usize) -> Prefetcher {
@@ -1146,6 +1149,7 @@ pub fn qmatmul_quantized(qs: QSimd, act: &QAct, w: &QMat, out: &mut [f32], round
 /// Rows `r0..r1` x tokens `t0..t0+nt` (the integer part and the bias term) into `tmp`
 /// (`[nt][r1 - r0]`).
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub(super) fn rows_tokens(
     qs: QSimd,
     act: &QAct,
