@@ -277,6 +277,36 @@ enum Amx {
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const AMX_BLOCK_SEGMENT: usize = 1024;
 
+/// Calls `f(packed, kvh, q0, q1)` for the runs `q0..=q1` of positions `s0..=s1` an AMX block
+/// reads at a time, `packed` holding their keys (`values` false) or values with KV head `kvh`
+/// as its head `kvh`: on the call's shared packing, the whole range at once; else
+/// [`AMX_BLOCK_SEGMENT`] positions at a time, packed into `own` here (as head 0).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn amx_runs<'a>(
+    mode: &Amx,
+    own: &mut Option<Packed>,
+    kvh: usize,
+    d: usize,
+    (s0, s1): (usize, usize),
+    values: bool,
+    row: &(dyn Fn(bool, usize, usize) -> Row<'a> + Sync),
+    mut f: impl FnMut(&Packed, usize, usize, usize),
+) {
+    match mode {
+        Amx::Shared(p) => f(p, kvh, s0, s1),
+        Amx::PerBlock => {
+            let own = own.get_or_insert_with(Packed::default);
+            for q0 in (s0..=s1).step_by(AMX_BLOCK_SEGMENT) {
+                let q1 = (q0 + AMX_BLOCK_SEGMENT - 1).min(s1);
+                // SAFETY: AVX-512F/BW (an AMX block exists only when AMX is available).
+                unsafe { own.repack(kvh..kvh + 1, d, q0, q1 + 1 - q0, row, (!values, values), false) };
+                f(own, 0, q0, q1);
+            }
+        }
+    }
+}
+
 /// Queries per call from which attention runs on AMX tiles (fewer: decode, whose blocks have
 /// too few rows to fill a tile, stays on the f32 loops).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -514,19 +544,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                 {
                     use crate::kernels::attn_amx::{scale_scores, scores as amx_scores, KEY_GROUP};
                     let ct = &mut ctiles[..nrt];
-                    // Runs of positions q0..=q1: the whole segment on the shared packing, else
-                    // AMX_BLOCK_SEGMENT at a time, their keys packed here (as KV head 0).
-                    for q0 in (s0..=s1).step_by(if let Amx::Shared(_) = mode { len } else { AMX_BLOCK_SEGMENT }) {
-                        let q1 = if let Amx::Shared(_) = mode { s1 } else { (q0 + AMX_BLOCK_SEGMENT - 1).min(s1) };
-                        let (p, kvh) = match mode {
-                            Amx::Shared(p) => (p, kvh),
-                            Amx::PerBlock => {
-                                let own = own.get_or_insert_with(Packed::default);
-                                // SAFETY: AVX-512F/BW (AMX available).
-                                unsafe { own.repack(kvh..kvh + 1, d, q0, q1 + 1 - q0, &row, (true, false), false) };
-                                (&*own, 0)
-                            }
-                        };
+                    amx_runs(mode, own, kvh, d, (s0, s1), false, &row, |p, kvh, q0, q1| {
                         for g in (q0 - p.base()) / KEY_GROUP..=(q1 - p.base()) / KEY_GROUP {
                             let gp = p.base() + g * KEY_GROUP;
                             // SAFETY: the tile configuration is loaded on this thread (above); qa
@@ -545,7 +563,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                                 }
                             });
                         }
-                    }
+                    });
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 {
@@ -629,18 +647,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                 #[cfg(target_arch = "x86_64")]
                 {
                     use crate::kernels::attn_amx::{bf16_bits, weighted, VALUE_BLOCK};
-                    // Runs of positions as for the scores, their values packed here.
-                    for q0 in (s0..=s1).step_by(if let Amx::Shared(_) = mode { len } else { AMX_BLOCK_SEGMENT }) {
-                        let q1 = if let Amx::Shared(_) = mode { s1 } else { (q0 + AMX_BLOCK_SEGMENT - 1).min(s1) };
-                        let (p, kvh) = match mode {
-                            Amx::Shared(p) => (p, kvh),
-                            Amx::PerBlock => {
-                                let own = own.get_or_insert_with(Packed::default);
-                                // SAFETY: AVX-512F/BW (AMX available).
-                                unsafe { own.repack(kvh..kvh + 1, d, q0, q1 + 1 - q0, &row, (false, true), false) };
-                                (&*own, 0)
-                            }
-                        };
+                    amx_runs(mode, own, kvh, d, (s0, s1), true, &row, |p, kvh, q0, q1| {
                         // The probabilities as A tiles `[block][row tile]` (16 rows x 32 positions,
                         // bf16: rounded to bf16 above, so the high halves exactly), zero where a row
                         // does not see a position.
@@ -667,7 +674,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                         // tiles; acc holds 16 nrt rows of d; blocks b0..b0 + nb cover q0..=q1,
                         // inside the packed span.
                         unsafe { weighted(p, kvh, b0, nb, pa, nrt, acc) };
-                    }
+                    });
                 }
                 #[cfg(not(target_arch = "x86_64"))]
                 {
@@ -766,26 +773,10 @@ mod tests {
         }
     }
 
-    /// The output of `attend_with_budget` on a 2-thread pool.
+    /// The output of `attend_with_budget` on a 2-thread pool; AMX keys and values packed per
+    /// call up to `amx_budget` bytes (0: every block packs its own).
     #[allow(clippy::too_many_arguments)]
     fn run(
-        pool: &rayon::ThreadPool,
-        simd: Simd,
-        shape: AttnShape,
-        dtype: DType,
-        kv: &CpuKv,
-        qkv: &CpuTensor,
-        chunk: AttnChunk,
-        budget: usize,
-        tiles: bool,
-    ) -> Vec<f32> {
-        run_packing(pool, simd, shape, dtype, kv, qkv, chunk, budget, tiles, AMX_PACK_BUDGET)
-    }
-
-    /// [`run`] with AMX keys and values packed per call only up to `amx_budget` bytes (0: every
-    /// block packs its own).
-    #[allow(clippy::too_many_arguments)]
-    fn run_packing(
         pool: &rayon::ThreadPool,
         simd: Simd,
         shape: AttnShape,
@@ -829,9 +820,9 @@ mod tests {
         ];
         // Three chunks: a long prefill, a second chunk over the cache, one decode token.
         each_chunk(7, &cases, &[150, 70, 1], 1.0, |shape, dtype, kv, qkv, chunk| {
-            let rows = run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, false);
+            let rows = run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, false, AMX_PACK_BUDGET);
             for simd in [Simd::Avx2, Simd::Avx512].into_iter().filter(|&s| Simd::detect() >= s) {
-                let tiles = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
+                let tiles = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
                 assert!(same_bits(&rows, &tiles), "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}: the paths differ");
             }
         });
@@ -858,8 +849,8 @@ mod tests {
         // of exactly 16 and one of 17 queries, a decode token (f32 loops on both sides), and a
         // chunk whose full-layer span passes AMX_BLOCK_SEGMENT (several runs of packing).
         each_chunk(5, &cases, &[150, 70, 16, 17, 1, 1000], 2.0, |shape, dtype, kv, qkv, chunk| {
-            let f32_loops = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
-            let tiles = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
+            let f32_loops = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
+            let tiles = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
             let scale = f32_loops.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let err = f32_loops.iter().zip(&tiles).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
             worst = worst.max(err);
@@ -872,7 +863,7 @@ mod tests {
             for (budget, amx_budget) in
                 [(1, AMX_PACK_BUDGET), (4 * 64 * 2 * KV_TILE, AMX_PACK_BUDGET), (SCORE_BUDGET, 0), (1, 0)]
             {
-                let seg = run_packing(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, budget, true, amx_budget);
+                let seg = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, budget, true, amx_budget);
                 let err = tiles.iter().zip(&seg).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
                 assert!(
                     err <= AMX_TOLERANCE,
@@ -929,7 +920,7 @@ mod tests {
             let mut ms: Vec<f64> = (0..3)
                 .map(|_| {
                     let t = std::time::Instant::now();
-                    run_packing(&pool, simd, shape, DType::BF16, &kv, &qkv, chunk, SCORE_BUDGET, true, amx_budget);
+                    run(&pool, simd, shape, DType::BF16, &kv, &qkv, chunk, SCORE_BUDGET, true, amx_budget);
                     t.elapsed().as_secs_f64() * 1e3
                 })
                 .collect();
@@ -954,11 +945,11 @@ mod tests {
             [(64, None, DType::F32), (64, Some(150), DType::BF16), (256, None, DType::BF16), (96, None, DType::F32)];
         each_chunk(11, &cases, &[300, 90, 1, 1], 3.0, |shape, dtype, kv, qkv, chunk| {
             for &simd in &simds {
-                let whole = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true);
+                let whole = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
                 // Budget 1: segments of one KV tile (64 positions); the other: one or a few
                 // tiles, depending on the block's rows.
                 for budget in [1, 4 * 16 * 2 * KV_TILE] {
-                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, true);
+                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, true, AMX_PACK_BUDGET);
                     assert!(
                         same_bits(&whole, &seg),
                         "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}, budget {budget}: differs"

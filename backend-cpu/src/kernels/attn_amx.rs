@@ -103,50 +103,36 @@ impl PackedKv {
         let nh = heads.len();
         let (groups, blocks) = (n.div_ceil(KEY_GROUP), n.div_ceil(VALUE_BLOCK));
         let (ksteps, vgroups) = (d / 32, d / 16);
-        // Every tile is written whole below, so reused memory needs no clearing.
-        let fill_k = |(i, tiles): (usize, &mut [u16])| {
-            let (kvh, p0) = (heads.start + i / groups, (i % groups) * KEY_GROUP);
-            let mut rows = [Row::F32(&[]); KEY_GROUP];
-            let cnt = KEY_GROUP.min(n - p0);
-            for (t, r) in rows.iter_mut().enumerate().take(cnt) {
-                *r = row(false, kvh, base + p0 + t);
-            }
-            for (s, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
-                // SAFETY: AVX-512F/BW (this function's contract); every row holds d >= 32 (s + 1)
-                // values; `tile` is one tile.
-                unsafe { key_tile(&rows[..cnt], s * 32, tile) };
-            }
-        };
-        let fill_v = |(i, tiles): (usize, &mut [u16])| {
-            let (kvh, p0) = (heads.start + i / blocks, (i % blocks) * VALUE_BLOCK);
-            let mut rows = [Row::F32(&[]); VALUE_BLOCK];
-            let cnt = VALUE_BLOCK.min(n - p0);
-            for (t, r) in rows.iter_mut().enumerate().take(cnt) {
-                *r = row(true, kvh, base + p0 + t);
-            }
-            for (g, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
-                // SAFETY: AVX-512F/BW (this function's contract); every row holds d >= 16 (g + 1)
-                // values; `tile` is one tile.
-                unsafe { value_tile(&rows[..cnt], g * 16, tile) };
+        // One unit (a key group or a value block) of KV head `i / units`: its rows, then its
+        // tiles, each written whole (so reused memory needs no clearing).
+        let fill = |value: bool, per: usize, units: usize| {
+            move |(i, tiles): (usize, &mut [u16])| {
+                let (kvh, p0) = (heads.start + i / units, (i % units) * per);
+                let mut rows = [Row::F32(&[]); VALUE_BLOCK];
+                let cnt = per.min(n - p0);
+                for (t, r) in rows.iter_mut().enumerate().take(cnt) {
+                    *r = row(value, kvh, base + p0 + t);
+                }
+                for (j, tile) in tiles.chunks_exact_mut(TILE_U16).enumerate() {
+                    // SAFETY: AVX-512F/BW (this function's contract); every row holds d values,
+                    // d >= 32 (j + 1) for a key tile's columns, >= 16 (j + 1) for a value
+                    // tile's; at most 16 key rows or 32 value rows; `tile` is one tile.
+                    unsafe {
+                        if value {
+                            value_tile(&rows[..cnt], j * 16, tile)
+                        } else {
+                            key_tile(&rows[..cnt], j * 32, tile)
+                        }
+                    };
+                }
             }
         };
+        let (fill_k, fill_v) = (fill(false, KEY_GROUP, groups), fill(true, VALUE_BLOCK, blocks));
         if which.0 {
-            self.k.resize(nh * groups * ksteps * TILE_U16, 0);
-            let k = &mut self.k[..nh * groups * ksteps * TILE_U16];
-            if parallel {
-                k.par_chunks_mut(ksteps * TILE_U16).enumerate().for_each(fill_k);
-            } else {
-                k.chunks_mut(ksteps * TILE_U16).enumerate().for_each(fill_k);
-            }
+            fill_units(&mut self.k, nh * groups, ksteps * TILE_U16, parallel, fill_k);
         }
         if which.1 {
-            self.v.resize(nh * blocks * vgroups * TILE_U16, 0);
-            let v = &mut self.v[..nh * blocks * vgroups * TILE_U16];
-            if parallel {
-                v.par_chunks_mut(vgroups * TILE_U16).enumerate().for_each(fill_v);
-            } else {
-                v.chunks_mut(vgroups * TILE_U16).enumerate().for_each(fill_v);
-            }
+            fill_units(&mut self.v, nh * blocks, vgroups * TILE_U16, parallel, fill_v);
         }
     }
 
@@ -170,6 +156,23 @@ impl PackedKv {
     fn value_block(&self, kvh: usize, b: usize) -> *const u16 {
         let vgroups = self.d / 16;
         self.v[((kvh * self.n.div_ceil(VALUE_BLOCK) + b) * vgroups) * TILE_U16..].as_ptr()
+    }
+}
+
+/// Resize `buf` to `units` units of `unit` elements and call `fill((i, unit i))` for each, on
+/// the rayon pool when `parallel`.
+fn fill_units(
+    buf: &mut Vec<u16>,
+    units: usize,
+    unit: usize,
+    parallel: bool,
+    fill: impl Fn((usize, &mut [u16])) + Sync + Send,
+) {
+    buf.resize(units * unit, 0);
+    if parallel {
+        buf.par_chunks_mut(unit).enumerate().for_each(fill);
+    } else {
+        buf.chunks_mut(unit).enumerate().for_each(fill);
     }
 }
 
