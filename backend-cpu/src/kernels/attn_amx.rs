@@ -1,12 +1,14 @@
 //! AMX BF16 tiles for prefill attention (x86-64 with AMX), used by [`crate::attention`]: the
-//! scores `Q K^T` and the weighted values `P V` of a block of up to [`ROWS`] (query, head) rows.
+//! scores `Q K^T` and the weighted values `P V` of a block of (query, head) rows ([`ROWS`], or
+//! up to [`ROWS_PACKING`] for a block that packs its own keys and values).
 //!
 //! Precision: taken only when the graph rounds activations to bf16, so queries, keys, values
 //! and the (rounded) probabilities are bf16 values and every product is exact; the sums are f32
 //! in the tiles' order (`tdpbf16ps`), which differs from the f32-FMA loops only in the order of
 //! additions (and in reading bf16 denormals as zero).
 //!
-//! Layout: a call's keys and values are packed once ([`PackedKv`]), shared by every block:
+//! Layout: a call's keys and values are packed once ([`PackedKv`]), shared by every block (or,
+//! past a memory budget, by each block, a run of positions at a time: [`PackedKv::repack`]):
 //! - keys in groups of 16 positions, one B tile per 32 head-dim columns: row `r`, column `t` the
 //!   pair `(k[t][32 s + 2r], k[t][32 s + 2r + 1])`; a score tile is 16 rows x 16 keys;
 //! - values in blocks of 32 positions, one B tile per 16 head-dim columns: row `r`, column `c`
@@ -14,7 +16,7 @@
 //!   (16 rows x 32 positions), so `P V` accumulates 16 rows x 16 columns per product.
 //!
 //! A block's queries are packed into A tiles per 32 columns ([`pack_queries`]); its row tiles
-//! live in tmm0-3, the streamed B tile in tmm4, the A tile in tmm5. The accumulators of `P V`
+//! live in tmm0-3 (four at a time), the streamed B tile in tmm4, the A tile in tmm5. The accumulators of `P V`
 //! are loaded from and stored to the caller's f32 rows (tiles take a row stride).
 
 #![cfg(target_arch = "x86_64")]
