@@ -156,16 +156,16 @@ impl CpuKv {
 /// to the activation type, max, `exp`, sum, probabilities rounded, then `sum_j p_j v_j` rounded.
 /// Sliding layers read at most `window` keys per query, so their cost does not grow with the
 /// context. Memory does not grow with it either: a task holds the scores of at most
-/// [`SCORE_BUDGET`] bytes; a longer span (full layers deep into a long context) runs the same
+/// `SCORE_BUDGET` (16 MiB); a longer span (full layers deep into a long context) runs the same
 /// passes segment by segment, recomputing the scores (bit-identical, about twice the
 /// attention arithmetic) instead of an online softmax, which could not round the normalized
 /// probabilities to the activation type as the reference does.
 ///
-/// With AMX and bf16 activations, chunks of at least [`AMX_MIN_QUERIES`] queries (prefill) run
-/// the products on AMX tiles instead ([`crate::kernels::attn_amx`]): the call's keys and values
-/// are packed once (blocks of up to 64 rows), or past [`AMX_PACK_BUDGET`] by each block (of up
-/// to 256 rows) segment by segment, and the scores and weighted values are sums of
-/// the same exact bf16 products in another order (the softmax and every rounding as above).
+/// With AMX and bf16 activations, chunks of at least 16 queries (prefill) run the products on
+/// AMX tiles instead ([`crate::kernels::attn_amx`]): the call's keys and values are packed once
+/// (blocks of up to 64 rows), or past 64 MiB of them (`AMX_PACK_BUDGET`) by each block (of up
+/// to 256 rows) a run of positions at a time; the scores and weighted values are sums of the
+/// same exact bf16 products in another order (the softmax and every rounding as above).
 pub fn attend(
     simd: Simd,
     qkv: &CpuTensor,

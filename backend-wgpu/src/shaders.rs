@@ -7,7 +7,7 @@
 //! nearest even, f16 subnormals kept). Each kernel takes its parameters from a small uniform
 //! block at a dynamic offset; index data (token ids, positions, rows) comes from a shared upload
 //! arena, also at a dynamic offset. Large grids are dispatched in 2-D and flattened with
-//! [`WID`].
+//! `WID`.
 
 use std::fmt::Write as _;
 

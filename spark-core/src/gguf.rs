@@ -19,7 +19,7 @@
 //!   [`GgmlType::served_plan`]: the layout a kind converts to, without converting.
 //! - [`GgufFile::tokenizer`], [`GgufFile::chat_template`]: the `tokenizer.ggml.*` byte-level BPE
 //!   as a Hugging Face tokenizer, and `tokenizer.chat_template`.
-//! - [`load`] / [`is_gguf`]: what [`crate::Model::load`] uses for a `.gguf` path; [`write`]: a
+//! - [`load`] / [`is_gguf`]: what [`crate::Model::load`] uses for a `.gguf` path; [`write()`]: a
 //!   minimal writer (tests, conversions).
 //!
 //! GGUF dims are innermost first: `ne[0]` is the row length, so a `[rows, cols]` matrix is stored

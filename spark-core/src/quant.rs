@@ -395,7 +395,7 @@ pub fn quantize(name: &str, rows: usize, cols: usize, values: &[f32], spec: Quan
 /// int8: symmetric, `scale = max|x| / 127` per group (per row by default). int4 symmetric
 /// (`plan.bias == false`): values -8..=7; each group's scale is searched among `max|x| / d` for
 /// d in 6.0..=8.5 (step 0.125), then refined once by least squares for the chosen integers.
-/// int4 asymmetric: see [`fit_i4_asym`].
+/// int4 asymmetric: see `fit_i4_asym`.
 pub fn quantize_planned(name: &str, rows: usize, cols: usize, values: &[f32], plan: QPlan) -> Result<QTensor> {
     if values.len() != rows * cols {
         return Err(Error::internal(format!("quantize '{name}': {} values for shape [{rows}, {cols}]", values.len())));
@@ -779,7 +779,7 @@ fn fit_i4_asym(x: &[f32]) -> (f32, f32) {
 
 /// Columns of an int4 super-block: asymmetric int4 groups shorter than this with f16 sides have
 /// steps `k * 2^e` with one exponent `e` per row and super-block and integers `k` in 0..=255
-/// ([`snap_steps`]). Such a step is an exact f16 value, so the stored format is unchanged; a
+/// (`snap_steps`). Such a step is an exact f16 value, so the stored format is unchanged; a
 /// kernel may then accumulate a super-block's groups in integers, `k` as an integer weight of
 /// each group's dot product (the CPU's AVX2 level does: `QMat`'s sub-scales).
 pub const SUPER_COLS: usize = 256;

@@ -5,7 +5,7 @@
 //! Each `vdpbf16ps` multiplies 32 bf16 weights of a row by 32 bf16 activations of a token and
 //! adds the 16 pair sums into 16 f32 lanes, so the weights need no conversion and no repack:
 //! rows are read in place, four (one token) or eight at a time, every weight byte streamed once
-//! per call while the next rows are prefetched ([`super::Prefetcher`]); tokens go in blocks of up
+//! per call while the next rows are prefetched (`Prefetcher`); tokens go in blocks of up
 //! to four over the same rows (those rows are then in L1).
 //!
 //! Precision: a product of two bf16 values is exact in f32, and the sums are f32, as in the

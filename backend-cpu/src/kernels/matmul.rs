@@ -89,7 +89,7 @@ const MR_512: usize = MR;
 pub const AVX2_QUANT_PANEL_MIN_TOKENS: usize = 32;
 
 /// `out = x W^T` for a quantized `w` through the float prefill: each panel of 16 rows
-/// dequantized to f32 exactly ([`QMat::dequant_f32`]: the same values as
+/// dequantized to f32 exactly (`QMat::dequant_f32`: the same values as
 /// `QTensor::dequantize`), the activations unquantized. So the only differences from an exact
 /// product are f32 summation (no activation quantization error at all).
 ///

@@ -8,7 +8,8 @@
 //! matmuls whose activations are bf16: bf16 weights from one token (16 weight rows at a time up
 //! to 16 tokens), int8/int4 weights of more than 64 tokens (dequantized into bf16 tiles; also
 //! the int8 layouts AMX INT8 does not take, from 32) ([`amx`]), and prefill attention with bf16
-//! activations ([`attn_amx`]); everything else runs the AVX2 code. The decode GEMVs prefetch the next tile's rows ([`Prefetcher`]).
+//! activations ([`attn_amx`]); everything else runs the AVX2 code. The decode GEMVs prefetch
+//! the next tile's rows (`Prefetcher`).
 //!
 //! The integer (quantized-weight) kernels have their own level, [`QSimd`]: where the float level
 //! is AMX and the processor has AMX-INT8, AMX INT8 tiles for symmetric int8 weights at 1 to 64

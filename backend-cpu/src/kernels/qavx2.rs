@@ -9,7 +9,7 @@
 //! term (`TileArgs::bias_term`: `- 8 scale` per group times the activations' group sums), not
 //! per block in the loop.
 //!
-//! [`tile`] scales each block in f32; [`sub_tile`] (2 to 31 tokens, int4 with integer
+//! `tile` scales each block in f32; `sub_tile` (2 to 31 tokens, int4 with integer
 //! sub-scales or int8 with per-row scales, activations with one scale per 256 columns) sums a
 //! whole super-block in integers and converts once per super-block.
 //! Every function is `unsafe` and needs AVX2 and FMA.

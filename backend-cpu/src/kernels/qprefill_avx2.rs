@@ -1,6 +1,6 @@
 //! AVX2 int4 prefill (W4A8) on panels of 8 weight rows, for int4 whose 32-blocks need no float
 //! scaling inside a 256-column super-block: groups of 32 with integer sub-scales
-//! ([`SubScales`], what `spark-run quantize` writes). The activations are int8 with one scale
+//! (`SubScales`, what `spark-run quantize` writes). The activations are int8 with one scale
 //! per super-block (as for the AVX2 batched decode).
 //!
 //! Each panel is unpacked once per call into `[kp / 4][8 rows][4 columns]` nibbles `0..=15`
@@ -15,7 +15,7 @@
 //!
 //! The int4 zero point of 8 and the group biases come off after the integer sums, as one small
 //! f32 product: `sum_g (bias[r, g] - 8 scale[r, g]) A[t, g]` with `A` the activations' group
-//! sums (the term [`super::qmatmul::TileArgs::bias_term`] adds).
+//! sums (the term `TileArgs::bias_term` adds).
 //!
 //! Int8 weights keep the f32 panels. Tried in session 13 (128 tokens, one thread, 1.7B
 //! shapes): i16 panels times i16 activations (`vpmaddwd`, 16 multiply-adds per instruction)

@@ -137,11 +137,11 @@ pub struct WeightPlan {
 /// norms included) and held, and a precision label, from the checkpoint as it will be served
 /// (`hold`).
 ///
-/// A GGUF file is counted from its tensor headers ([`GgmlType::served_plan`]), without
+/// A GGUF file is counted from its tensor headers ([`spark_core::gguf::GgmlType::served_plan`]), without
 /// converting its blocks; its K-quants' group scales count as f16 when `f16_sides`, as the
 /// backend holds them when they fit an f16 (`QTensor::sides_fit_f16`, true of real files), and
 /// Q4_K through its sub-scales with f32 biases when `sub_scales`
-/// ([`GgmlType::integer_sub_scales`]). The int4 that `spark-run quantize` writes, or that
+/// ([`spark_core::gguf::GgmlType::integer_sub_scales`]). The int4 that `spark-run quantize` writes, or that
 /// `--quant` makes while loading, in groups of 32 has sub-scales by construction (and f16
 /// sides); other int4 files are checked.
 pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: Holding) -> Result<WeightPlan> {
