@@ -213,11 +213,7 @@ fn attend_with_budget(
     let amx_rows = match &packed {
         // Blocks that pack their own keys and values: as many rows as keep the call's whole
         // span of scores within the score budget (one pass, not three), within 64..=256.
-        Some(Amx::PerBlock) => {
-            let lo = shape.window.map_or(0, |w| (chunk.start_pos + 1).saturating_sub(w));
-            let span = chunk.start_pos + chunk.len - lo;
-            (score_budget / (4 * span)).clamp(AMX_ROWS, AMX_ROWS_PACKING)
-        }
+        Some(Amx::PerBlock) => (score_budget / (4 * call_span(chunk, shape).1)).clamp(AMX_ROWS, AMX_ROWS_PACKING),
         _ => AMX_ROWS,
     };
     let (query_block, hb_max) = match &packed {
@@ -317,6 +313,12 @@ const AMX_MIN_QUERIES: usize = 16;
 /// packed by each block, segment by segment ([`Amx::PerBlock`]).
 const AMX_PACK_BUDGET: usize = 64 << 20;
 
+/// The positions a chunk's queries read, all of them together: `(first, count)`.
+fn call_span(chunk: AttnChunk, shape: AttnShape) -> (usize, usize) {
+    let lo = shape.window.map_or(0, |w| (chunk.start_pos + 1).saturating_sub(w));
+    (lo, chunk.start_pos + chunk.len - lo)
+}
+
 /// Key (`value` false) or value row of KV head `kvh` at `pos`: from the chunk's own fused QKV
 /// activations at `pos >= chunk.start_pos`, else from the cache.
 fn kv_row<'a>(
@@ -369,8 +371,7 @@ fn amx_pack(
         {
             return None;
         }
-        let lo = shape.window.map_or(0, |w| (chunk.start_pos + 1).saturating_sub(w));
-        let n = chunk.start_pos + chunk.len - lo;
+        let (lo, n) = call_span(chunk, shape);
         if PackedKv::bytes(shape.n_kv_heads, d, n) > pack_budget {
             return Some(Amx::PerBlock);
         }

@@ -180,22 +180,31 @@ fn pack_activations(x: &[f32], n: usize, k: usize, xp: &mut Vec<u16>) {
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn pack_tile(rows: &[f32], k: usize, c0: usize, tile: &mut [u16]) {
     debug_assert!(tile.len() == TILE_U16 && c0 + KS <= k);
-    // Word 2i + 1 of (lo, hi): the high halves, i.e. the bf16 of element i of the 32.
-    let odd_words = _mm512_set_epi16(
-        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9,
-        7, 5, 3, 1,
-    );
     let mut v = [_mm512_setzero_si512(); 16];
     for (t, row) in rows.chunks_exact(k).enumerate() {
         let seg = row[c0..c0 + KS].as_ptr();
-        let lo = round_bf16_high(_mm512_loadu_ps(seg));
-        let hi = round_bf16_high(_mm512_loadu_ps(seg.add(16)));
-        v[t] = _mm512_permutex2var_epi16(lo, odd_words, hi);
+        v[t] = round_pairs(_mm512_loadu_ps(seg), _mm512_loadu_ps(seg.add(16)));
     }
     let v = transpose16(v);
     for (r, row) in v.iter().enumerate() {
         _mm512_storeu_si512(tile.as_mut_ptr().add(r * 32).cast(), *row);
     }
+}
+
+/// `lo`, `hi` (16 f32 each) rounded to bf16 as [`spark_core::dtype::round_bf16`] and packed in
+/// order into 32 words: one row of 32 columns as 16 bf16 pairs.
+///
+/// # Safety
+/// AVX-512F and AVX-512BW are present.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn round_pairs(lo: __m512, hi: __m512) -> __m512i {
+    // Word 2i + 1 of (lo, hi): the high halves, i.e. the bf16 of element i of the 32.
+    let odd_words = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9,
+        7, 5, 3, 1,
+    );
+    _mm512_permutex2var_epi16(round_bf16_high(lo), odd_words, round_bf16_high(hi))
 }
 
 /// `x` rounded to bf16 in the high 16 bits of each lane, as [`spark_core::dtype::round_bf16`]

@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::amx::{round_bf16_high, transpose16};
+use super::amx::{round_bf16_high, round_pairs, transpose16};
 use super::Row;
 
 /// (query, head) rows per block whose keys and values are packed once per call: four row
@@ -197,21 +197,6 @@ unsafe fn pairs32(row: &Row<'_>, c0: usize) -> __m512i {
             round_pairs(_mm512_loadu_ps(f.as_ptr()), _mm512_loadu_ps(f.as_ptr().add(16)))
         }
     }
-}
-
-/// `lo`, `hi` (16 f32 each) rounded to bf16 and packed in order into 32 words.
-///
-/// # Safety
-/// AVX-512F and AVX-512BW are present.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn round_pairs(lo: __m512, hi: __m512) -> __m512i {
-    // Word 2i + 1 of (lo, hi): the high halves, i.e. the bf16 of element i of the 32.
-    let odd_words = _mm512_set_epi16(
-        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9,
-        7, 5, 3, 1,
-    );
-    _mm512_permutex2var_epi16(round_bf16_high(lo), odd_words, round_bf16_high(hi))
 }
 
 /// 16 values of `row` from column `c0` rounded to bf16, in the low words of 16 lanes.
