@@ -49,7 +49,8 @@ fn matmul_matches_scalar_reference() {
 /// bf16 weights times bf16-valued activations with bf16 output rounding: the case AMX tiles take
 /// (two or more tokens, k a multiple of 32; 64-row runs against one token block up to 16 tokens,
 /// weights read in place up to 64 tokens, packed and k-blocked by 512 beyond, short row blocks
-/// padded), plus shapes that fall back (one token, odd k).
+/// padded), plus shapes that fall back (one token, odd k); without AMX, the AVX512_BF16 GEMV (2-15
+/// tokens) and prefill (16 and more).
 /// Every level must land within one bf16 ulp of the f64 result rounded to bf16.
 #[test]
 fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
@@ -73,6 +74,13 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
         (16, 96, 530),
         (1, 64, 33),
         (7, 70, 19),
+        // The AVX512_BF16 prefill: odd k (a lone last column), token tails of 1-16 and 17-31,
+        // row tails of its 12-row tiles, several 32-token blocks.
+        (20, 71, 45),
+        (31, 3, 25),
+        (47, 130, 27),
+        (16, 1, 13),
+        (100, 257, 37),
     ];
     for &(n, k, m) in &shapes {
         let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
@@ -122,17 +130,14 @@ fn bf16_rows_convert_exactly() {
     }
 }
 
-/// AMX writes its f32 sums rounded to bf16 to nearest, ties to even, NaN kept: sums exact in f32
-/// in any order (two bf16 terms), placed above, at and below half a bf16 ulp of 1, in every row
-/// of a 16-row block and in a row tail, at 1 and 17 tokens.
+/// AMX and the AVX512_BF16 prefill write their f32 sums rounded to bf16 to nearest, ties to
+/// even, NaN kept: sums exact in f32 in any order (two bf16 terms), placed above, at and below
+/// half a bf16 ulp of 1, in every row of a 16-row block and in a row tail, at 1 and 17 tokens
+/// (AMX) and 17 and 40 tokens (the prefill's two- and one-vector token blocks).
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn amx_rounds_outputs_to_nearest_even_bf16() {
-    use spark_backend_cpu::kernels::amx;
-    if !amx::available() {
-        eprintln!("skipped: this CPU has no AMX");
-        return;
-    }
+fn tiles_round_outputs_to_nearest_even_bf16() {
+    use spark_backend_cpu::kernels::{amx, avx512bf16};
     let bf = |v: f32| half::bf16::from_f32(v).to_bits();
     let k = 32;
     // 1 + a: a = 0.75, 0.5 and 0.25 ulp (ulp of 1 in bf16: 2^-7), and 1.5 ulp + 0.5 ulp (a tie
@@ -150,24 +155,42 @@ fn amx_rounds_outputs_to_nearest_even_bf16() {
     }
     w[7 * k + 1] = bf(f32::NAN);
     want[7] = f32::NAN;
-    for n in [1usize, 17] {
-        let mut x = vec![0.0f32; n * k];
-        for t in 0..n {
-            x[t * k] = 1.0;
-            x[t * k + 1] = 1.0;
+    let mut ran = false;
+    for (path, tokens) in [("amx", [1usize, 17]), ("avx512bf16 prefill", [17, 40])] {
+        let present = if path == "amx" { amx::available() } else { avx512bf16::available() };
+        if !present {
+            eprintln!("skipped {path}: this CPU lacks it");
+            continue;
         }
-        let mut out = vec![0.0f32; n * m];
-        // SAFETY: amx::available() returned true; k is a multiple of 32.
-        unsafe { amx::matmul(&x, n, k, amx::Weights::Bf16(&w), m, &mut out, DType::BF16) };
-        for t in 0..n {
-            for r in 0..m {
-                let got = out[t * m + r];
-                if want[r].is_nan() {
-                    assert!(got.is_nan(), "n={n} [{t},{r}]: {got}");
+        ran = true;
+        for n in tokens {
+            let mut x = vec![0.0f32; n * k];
+            for t in 0..n {
+                x[t * k] = 1.0;
+                x[t * k + 1] = 1.0;
+            }
+            let mut out = vec![0.0f32; n * m];
+            // SAFETY: the path's available() returned true; k is a multiple of 32.
+            unsafe {
+                if path == "amx" {
+                    amx::matmul(&x, n, k, amx::Weights::Bf16(&w), m, &mut out, DType::BF16)
                 } else {
-                    assert_eq!(got, want[r], "n={n} [{t},{r}]");
+                    avx512bf16::prefill(&x, n, k, &w, m, &mut out, DType::BF16)
+                }
+            };
+            for t in 0..n {
+                for r in 0..m {
+                    let got = out[t * m + r];
+                    if want[r].is_nan() {
+                        assert!(got.is_nan(), "{path} n={n} [{t},{r}]: {got}");
+                    } else {
+                        assert_eq!(got, want[r], "{path} n={n} [{t},{r}]");
+                    }
                 }
             }
         }
+    }
+    if !ran {
+        eprintln!("skipped: this CPU has neither AMX nor AVX512_BF16");
     }
 }

@@ -9,7 +9,8 @@
 //!   12 (AVX-512) tokens x 16 rows ([`avx2::panel_kernel`]) for every token.
 //! - On CPUs with AVX512_BF16, bf16 weights times bf16-valued activations of a few tokens run
 //!   `vdpbf16ps` dot products on the weights in place ([`super::avx512bf16`], see
-//!   [`bf16_dot_takes`]).
+//!   [`bf16_dot_takes`]); from 16 tokens, a `vdpbf16ps` prefill on transposed activations
+//!   ([`bf16_prefill_takes`]).
 //! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
 //!   least [`AMX_MIN_TOKENS`] tokens (one) run on AMX tiles ([`super::amx`]): from DRAM its
 //!   16-row x 16-token kernel streams weights faster than the GEMVs at any batch size.
@@ -52,6 +53,13 @@ pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
         Simd::Avx512 => (2..SMALL_BATCH).contains(&n),
         _ => false,
     }
+}
+/// Whether a bf16 matmul of `n` tokens with bf16 activations runs the `vdpbf16ps` prefill
+/// ([`super::avx512bf16::prefill`], on CPUs with AVX512_BF16): from 16 tokens at the `Avx512`
+/// level, in place of the f32 panels (twice the multiply-adds per instruction). With AMX the
+/// tiles take it.
+pub fn bf16_prefill_takes(simd: Simd, n: usize) -> bool {
+    simd == Simd::Avx512 && n >= SMALL_BATCH
 }
 /// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present: from
 /// one, since the 16-row tile kernel streams the weights faster than the AVX-512 GEMV even for a
@@ -145,6 +153,11 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
         if bf16_dot_takes(simd, n) && round == DType::BF16 && super::avx512bf16::available() {
             // SAFETY: available() checked AVX512F/BW/BF16.
             unsafe { super::avx512bf16::matmul(x, n, k, d, m, out, round) };
+            return;
+        }
+        if bf16_prefill_takes(simd, n) && round == DType::BF16 && super::avx512bf16::available() {
+            // SAFETY: available() checked AVX512F/BW/BF16.
+            unsafe { super::avx512bf16::prefill(x, n, k, d, m, out, round) };
             return;
         }
         if n >= AMX_MIN_TOKENS && super::amx::eligible(simd, round, k) {
