@@ -175,7 +175,7 @@ fn tiles_round_outputs_to_nearest_even_bf16() {
                 if path == "amx" {
                     amx::matmul(&x, n, k, amx::Weights::Bf16(&w), m, &mut out, DType::BF16)
                 } else {
-                    avx512bf16::prefill(&x, n, k, &w, m, &mut out, DType::BF16)
+                    avx512bf16::prefill(&x, n, k, avx512bf16::PrefillWeights::Bf16(&w), m, &mut out, DType::BF16)
                 }
             };
             for t in 0..n {

@@ -837,20 +837,30 @@ fn activation_quantization_is_identical_on_every_path() {
     assert!(r.d[0] > 0.0);
 }
 
-/// With AMX, int8/int4 matmuls of 32+ tokens whose activations are bf16 run on bf16 tiles: the
-/// weights dequantized exactly (`QTensor` values) and rounded to bf16. Checked against an f64
-/// reference on those bf16 weights (one bf16 ulp of the output), and `QMat::dequant_bf16`
-/// against `QTensor::dequantize` directly, for every format/group/bias, odd row counts, k across
-/// several 512-wide cache blocks.
+/// With AMX, int8/int4 matmuls of 32+ tokens whose activations are bf16 run on bf16 tiles; at the
+/// AVX-512 level with AVX512_BF16 (no AMX), on the `vdpbf16ps` prefill: either way the weights
+/// dequantized exactly (`QTensor` values) and rounded to bf16. Checked against an f64 reference
+/// on those bf16 weights (one bf16 ulp of the output), and `QMat::dequant_bf16` against
+/// `QTensor::dequantize` directly, for every format/group/bias, odd row counts, k across several
+/// 512-wide cache blocks, token counts with tails of both token-block widths.
 #[test]
-fn amx_dequantized_tiles_match_reference() {
-    if Simd::detect() < Simd::Amx {
-        eprintln!("skipped: this CPU has no AMX (Simd {:?})", Simd::detect());
+fn dequantized_bf16_prefill_matches_reference() {
+    #[cfg(target_arch = "x86_64")]
+    let bf16_dot = spark_backend_cpu::kernels::avx512bf16::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let bf16_dot = false;
+    let level = if Simd::detect() >= Simd::Amx {
+        Simd::Amx
+    } else if Simd::detect() >= Simd::Avx512 && bf16_dot {
+        Simd::Avx512
+    } else {
+        eprintln!("skipped: this CPU has neither AMX nor AVX512_BF16 (Simd {:?})", Simd::detect());
         return;
-    }
+    };
+    eprintln!("level {level:?}");
     let mut seed = 99u64;
     let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
-    let be = CpuBackend::with_simd(Some(2), Simd::Amx).unwrap();
+    let be = CpuBackend::with_simd(Some(2), level).unwrap();
     for &(format, group, bias, half) in &[
         (QFormat::I8, 0usize, false, false),
         (QFormat::I8, 32, false, true),
@@ -860,7 +870,7 @@ fn amx_dequantized_tiles_match_reference() {
         (QFormat::I4, 128, true, true),
         (QFormat::I4, 16, true, false),
     ] {
-        for &(n, k, m) in &[(66usize, 128usize, 33usize), (80, 640, 70), (97, 1152, 17)] {
+        for &(n, k, m) in &[(66usize, 128usize, 33usize), (80, 640, 70), (97, 1152, 17), (64, 256, 12)] {
             let g = if group == 0 { k } else { group };
             let q = random_q(m, k, format, g, bias, half, &mut seed);
             let deq = q.dequantize();

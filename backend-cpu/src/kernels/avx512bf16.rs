@@ -30,6 +30,7 @@ use std::sync::OnceLock;
 
 use spark_core::DType;
 
+use super::qmatmul::QMat;
 use super::{Prefetcher, SharedOut};
 
 /// bf16 values per step (one 64-byte register).
@@ -218,16 +219,36 @@ fn transpose_activations(x: &[f32], n: usize, k: usize) -> Vec<u32> {
     xt
 }
 
-/// Prefill: `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for bf16 `w` `[m, k]` and
+/// The weights of a [`prefill`]: bf16 rows read in place, or quantized rows dequantized to bf16
+/// one band at a time ([`QMat::dequant_bf16`]: the exact dequantized value rounded to bf16,
+/// relative error at most 2^-9 per weight, as the AMX tiles take them).
+#[derive(Clone, Copy)]
+pub enum PrefillWeights<'a> {
+    Bf16(&'a [u16]),
+    Quant(&'a QMat),
+}
+
+/// Whether [`prefill`] takes these quantized weights: its dequantization works on 16 columns at
+/// a time.
+pub fn prefill_supports(w: &QMat) -> bool {
+    w.cols.is_multiple_of(16)
+}
+
+/// Prefill: `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for `w` `[m, k]` and
 /// bf16-valued activations, `n` of any size (16 and more is where it pays), rows split across
 /// the rayon pool (see the module doc for the blocking).
 ///
 /// # Safety
 /// [`available`] returned true.
-pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &mut [f32], round: DType) {
+pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: usize, out: &mut [f32], round: DType) {
     use rayon::prelude::*;
     assert_eq!(x.len(), n * k, "bf16 prefill: x has the wrong size");
-    assert_eq!(w.len(), m * k, "bf16 prefill: w has the wrong size");
+    match w {
+        PrefillWeights::Bf16(w) => assert_eq!(w.len(), m * k, "bf16 prefill: w has the wrong size"),
+        PrefillWeights::Quant(q) => {
+            assert!(q.rows == m && q.cols == k && prefill_supports(q), "bf16 prefill: w has the wrong shape")
+        }
+    }
     assert_eq!(out.len(), n * m, "bf16 prefill: out has the wrong size");
     if n == 0 || m == 0 || k == 0 {
         out.fill(0.0);
@@ -240,8 +261,22 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &
     let outp = SharedOut(out.as_mut_ptr());
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let (r0, r1) = (c * chunk, (c * chunk + chunk).min(m));
+        let mut dequant = match w {
+            PrefillWeights::Bf16(_) => Vec::new(),
+            PrefillWeights::Quant(_) => vec![0u16; band.min(r1 - r0) * k],
+        };
         for b0 in (r0..r1).step_by(band) {
             let b1 = (b0 + band).min(r1);
+            // The band's first row, rows k apart.
+            let base = match w {
+                PrefillWeights::Bf16(w) => w[b0 * k..].as_ptr(),
+                PrefillWeights::Quant(q) => {
+                    for (i, row) in dequant.chunks_exact_mut(k).take(b1 - b0).enumerate() {
+                        q.dequant_bf16(b0 + i, 0, row);
+                    }
+                    dequant.as_ptr()
+                }
+            };
             for (tb, xb) in xt.chunks_exact(block).enumerate() {
                 let t0 = tb * PREFILL_TOKENS;
                 let nt = PREFILL_TOKENS.min(n - t0);
@@ -249,10 +284,11 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: &[u16], m: usize, out: &
                     let nr = PREFILL_ROWS.min(b1 - p0);
                     // Rows past the band repeat its last row; their sums are discarded.
                     let rows: [*const u16; PREFILL_ROWS] =
-                        std::array::from_fn(|i| w.as_ptr().add((p0 + i.min(nr - 1)) * k));
+                        std::array::from_fn(|i| base.add((p0 - b0 + i.min(nr - 1)) * k));
                     let mut acc = [[0.0f32; PREFILL_TOKENS]; PREFILL_ROWS];
-                    // SAFETY: available() (caller); each row pointer starts a k-long row of w; xb
-                    // is one transposed block of k.div_ceil(2) column pairs.
+                    // SAFETY: available() (caller); each row pointer starts a k-long row of the
+                    // band (in w, or dequantized); xb is one transposed block of k.div_ceil(2)
+                    // column pairs.
                     // bf16 output is rounded in the tile, 16 sums at a time.
                     let bf16 = round == DType::BF16;
                     if nt > 16 {

@@ -61,6 +61,20 @@ pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
 pub fn bf16_prefill_takes(simd: Simd, n: usize) -> bool {
     simd == Simd::Avx512 && n >= SMALL_BATCH
 }
+/// Whether an int8/int4 matmul of `n` tokens with bf16 activations runs the `vdpbf16ps` prefill
+/// on weights dequantized to bf16 ([`super::avx512bf16::prefill`]) at the `Avx512` level (CPUs
+/// with AVX512_BF16, no AMX) instead of the W8A8 / W4A8 VNNI kernels: from 32 tokens for int4,
+/// 64 for int8, where it overtook them (whole-model prefill, 1.7B shape, 2 threads, Zen 5, 2
+/// alternations: int4 pp32 81-84 against 73-75 tok/s, pp24 76-88 against 56-81 the other way;
+/// int8 pp64 99-133 against 103, pp32 87-91 against 100-112 the other way).
+pub fn avx512_quant_prefill_takes(simd: Simd, format: spark_core::quant::QFormat, n: usize) -> bool {
+    use spark_core::quant::QFormat;
+    simd == Simd::Avx512
+        && match format {
+            QFormat::I4 => n >= 32,
+            QFormat::I8 => n >= 64,
+        }
+}
 /// From this many tokens, bf16 matmuls with bf16 activations run on AMX tiles when present: from
 /// one, since the 16-row tile kernel streams the weights faster than the AVX-512 GEMV even for a
 /// single token (batch-1 decode 6.76 -> 7.86 tok/s, medians of 3 alternations, 1.7B shape, 2
@@ -157,7 +171,7 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
         }
         if bf16_prefill_takes(simd, n) && round == DType::BF16 && super::avx512bf16::available() {
             // SAFETY: available() checked AVX512F/BW/BF16.
-            unsafe { super::avx512bf16::prefill(x, n, k, d, m, out, round) };
+            unsafe { super::avx512bf16::prefill(x, n, k, super::avx512bf16::PrefillWeights::Bf16(d), m, out, round) };
             return;
         }
         if n >= AMX_MIN_TOKENS && super::amx::eligible(simd, round, k) {

@@ -1079,6 +1079,17 @@ impl SideEl for H16 {
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());
     #[cfg(target_arch = "x86_64")]
+    if super::matmul::avx512_quant_prefill_takes(simd, w.format, n)
+        && round == DType::BF16
+        && super::avx512bf16::available()
+        && super::avx512bf16::prefill_supports(w)
+    {
+        let (m, w) = (w.rows, super::avx512bf16::PrefillWeights::Quant(w));
+        // SAFETY: available() checked AVX512F/BW/BF16; prefill_supports() the shape.
+        unsafe { super::avx512bf16::prefill(x, n, k, w, m, out, round) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::qprefill_avx2::takes(qs, w, n) {
         super::qprefill_avx2::matmul(x, n, k, w, out, round);
         return;
