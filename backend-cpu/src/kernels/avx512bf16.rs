@@ -207,16 +207,48 @@ fn transpose_activations(x: &[f32], n: usize, k: usize) -> Vec<u32> {
     let bits = |v: f32| spark_core::dtype::round_bf16(v).to_bits() >> 16;
     xt.par_chunks_mut(block).enumerate().for_each(|(b, dst)| {
         let t0 = b * PREFILL_TOKENS;
-        for t in t0..(t0 + PREFILL_TOKENS).min(n) {
+        let t1 = (t0 + PREFILL_TOKENS).min(n);
+        // Groups of 16 tokens, 32 columns at a time, in registers; the rest one by one.
+        let mut vector_cols = 0;
+        for g in (t0..t1).step_by(16).filter(|g| g + 16 <= t1) {
+            vector_cols = k / 32 * 32;
+            // SAFETY: this module's functions run only where available() (AVX512F/BW) held;
+            // rows g..g + 16 of x hold k values; dst holds pairs * 32 from lane g - t0 on.
+            unsafe { transpose16_tokens(&x[g * k..(g + 16) * k], k, &mut dst[g - t0..]) };
+        }
+        for t in t0..t1 {
             let row = &x[t * k..(t + 1) * k];
             let lane = t - t0;
-            for (j, pair) in row.chunks(2).enumerate() {
+            let cols = if lane < (t1 - t0) / 16 * 16 { vector_cols } else { 0 };
+            for (j, pair) in row.chunks(2).enumerate().skip(cols / 2) {
                 let hi = pair.get(1).map_or(0, |&v| bits(v));
                 dst[j * PREFILL_TOKENS + lane] = bits(pair[0]) | (hi << 16);
             }
         }
     });
     xt
+}
+
+/// The first `k / 32 * 32` columns of 16 token rows `x` (`[16][k]` f32) rounded to bf16 pairs
+/// and transposed: `dst[j * 32 + t]` = pair `j` of token `t` (as [`transpose_activations`]).
+///
+/// # Safety
+/// AVX512F/BW; `x.len() == 16 * k`; `dst` holds `(k / 2 - 1) * 32 + 16` values.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn transpose16_tokens(x: &[f32], k: usize, dst: &mut [u32]) {
+    let (xp, dp) = (x.as_ptr(), dst.as_mut_ptr());
+    for c in (0..k / 32 * 32).step_by(32) {
+        let mut v = [_mm512_setzero_si512(); 16];
+        for (t, vt) in v.iter_mut().enumerate() {
+            let row = xp.add(t * k + c);
+            // Pairs c/2 .. c/2 + 16 of token t, each rounded as round_bf16.
+            *vt = super::amx::round_pairs(_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16)));
+        }
+        let cols = super::amx::transpose16(v);
+        for (j, col) in cols.iter().enumerate() {
+            _mm512_storeu_si512(dp.add((c / 2 + j) * PREFILL_TOKENS) as *mut _, *col);
+        }
+    }
 }
 
 /// The weights of a [`prefill`]: bf16 rows read in place, or quantized rows dequantized to bf16
