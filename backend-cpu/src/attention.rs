@@ -175,7 +175,17 @@ pub fn attend(
     out: &mut CpuTensor,
     round: DType,
 ) {
-    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET, true, AMX_PACK_BUDGET)
+    attend_with_budget(simd, qkv, chunk, shape, kv, out, round, SCORE_BUDGET, Loops::Bf16Tiles, AMX_PACK_BUDGET)
+}
+
+/// The loops a call may take (tests compare them): the one-row loops, the f32 tile loops where
+/// the head dim allows ([`crate::kernels::attn_avx2`], [`crate::kernels::attn_avx512`]), or also
+/// the bf16 tiles (AMX, or `vdpbf16ps` on its layouts) for prefill with bf16 activations.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Loops {
+    OneRow,
+    F32Tiles,
+    Bf16Tiles,
 }
 
 /// Bytes of scores one attention task holds at most (16 MiB: a decode block of 8 heads keeps
@@ -197,7 +207,7 @@ fn attend_with_budget(
     out: &mut CpuTensor,
     round: DType,
     score_budget: usize,
-    tiles: bool,
+    loops: Loops,
     amx_budget: usize,
 ) {
     let d = shape.head_dim;
@@ -206,7 +216,8 @@ fn attend_with_budget(
     let ocols = out.cols;
     assert!(out.rows >= chunk.row + chunk.len && ocols == qd, "attend: output has the wrong shape");
     let threads = rayon::current_num_threads().max(1);
-    let packed = amx_pack(simd, qkv, chunk, shape, kv, round, tiles, amx_budget);
+    let packed = amx_pack(simd, qkv, chunk, shape, kv, round, loops == Loops::Bf16Tiles, amx_budget);
+    let tiles = loops != Loops::OneRow;
     // Blocks as large as keep the pool busy: up to 8 queries x all heads of a KV group (with AMX
     // tiles, up to 64 rows, every packed key and value then serving four row tiles; 256 where
     // each block packs its own).
@@ -235,7 +246,9 @@ fn attend_with_budget(
         let i1 = (i0 + qb).min(chunk.len);
         let h0 = hi * hb;
         let rows = Block { i0, i1, h0, h1: h0 + hb, kvh: h0 / group };
-        let args = BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx: packed.as_ref() };
+        let dp = simd != Simd::Amx;
+        let args =
+            BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx: packed.as_ref(), dp };
         attend_block(simd, &args, rows, scratch);
     });
 }
@@ -362,13 +375,10 @@ fn amx_pack(
     {
         use crate::kernels::attn_amx::PackedKv;
         let d = shape.head_dim;
-        if !(tiles
-            && simd == Simd::Amx
-            && round == DType::BF16
-            && d.is_multiple_of(32)
-            && chunk.len >= AMX_MIN_QUERIES
-            && crate::kernels::amx::available())
-        {
+        // AMX tiles, or their products in `vdpbf16ps` on CPUs with AVX512_BF16 and no AMX.
+        let bf16_tiles = (simd == Simd::Amx && crate::kernels::amx::available())
+            || (simd == Simd::Avx512 && crate::kernels::avx512bf16::available());
+        if !(tiles && bf16_tiles && round == DType::BF16 && d.is_multiple_of(32) && chunk.len >= AMX_MIN_QUERIES) {
             return None;
         }
         let (lo, n) = call_span(chunk, shape);
@@ -376,7 +386,7 @@ fn amx_pack(
             return Some(Amx::PerBlock);
         }
         let row = |value: bool, kvh: usize, pos: usize| kv_row(qkv, chunk, shape, kv, value, kvh, pos);
-        // SAFETY: AMX available implies AVX-512F and AVX-512BW (`amx::available`).
+        // SAFETY: AMX and AVX512_BF16 availability both imply AVX-512F and AVX-512BW.
         Some(Amx::Shared(unsafe { PackedKv::pack(shape.n_kv_heads, d, lo, n, &row) }))
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -398,6 +408,8 @@ struct BlockArgs<'a> {
     score_budget: usize,
     tiles: bool,
     amx: Option<&'a Amx>,
+    /// With `amx`: the tile products in `vdpbf16ps` (AVX512_BF16 without AMX), not on AMX.
+    dp: bool,
 }
 
 /// Queries per attention task at most.
@@ -475,7 +487,7 @@ const KV_TILE: usize = 64;
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(never)]
 fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratch) {
-    let &BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx } = args;
+    let &BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx, dp } = args;
     let d = shape.head_dim;
     let kvh = b.kvh;
     let nh = b.h1 - b.h0;
@@ -505,12 +517,14 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
         let mut rows = Vec::with_capacity(nrows);
         b.each_row(|i, h, _| rows.push(query(i, h)));
         ctiles.resize(nrt, [0.0; 256]);
-        // SAFETY: an AMX block exists only when AMX is available (`amx_pack`), which implies
-        // AVX-512F/BW; the rows are d long, d a multiple of 32. The tile state is released at
-        // the end of this function.
+        // SAFETY: an AMX block exists only when AMX or AVX512_BF16 is available (`amx_pack`),
+        // either implying AVX-512F/BW; the rows are d long, d a multiple of 32. With AMX the
+        // tile state is released at the end of this function.
         unsafe {
             crate::kernels::attn_amx::pack_queries(&rows, d, qa);
-            crate::kernels::attn_amx::begin();
+            if !dp {
+                crate::kernels::attn_amx::begin();
+            }
         }
     }
     // The positions of row `i` inside `t0..=t1`, if any.
@@ -543,15 +557,22 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
             if let Some(mode) = amx {
                 #[cfg(target_arch = "x86_64")]
                 {
-                    use crate::kernels::attn_amx::{scale_scores, scores as amx_scores, KEY_GROUP};
+                    use crate::kernels::attn_amx::{scale_scores, scores as amx_scores, scores_dp, KEY_GROUP};
                     let ct = &mut ctiles[..nrt];
                     amx_runs(mode, own, kvh, d, (s0, s1), false, &row, |p, kvh, q0, q1| {
                         for g in (q0 - p.base()) / KEY_GROUP..=(q1 - p.base()) / KEY_GROUP {
                             let gp = p.base() + g * KEY_GROUP;
-                            // SAFETY: the tile configuration is loaded on this thread (above); qa
-                            // holds nrt row tiles of d / 32 steps, ct nrt tiles; positions q0..=q1 lie
-                            // in the packed span, so group g is one of its groups.
-                            unsafe { amx_scores(p, kvh, g, qa, nrt, ct) };
+                            // SAFETY: with AMX the tile configuration is loaded on this thread
+                            // (above), else AVX512_BF16 is available (`amx_pack`); qa holds nrt row
+                            // tiles of d / 32 steps, ct nrt tiles; positions q0..=q1 lie in the
+                            // packed span, so group g is one of its groups.
+                            unsafe {
+                                if dp {
+                                    scores_dp(p, kvh, g, qa, nrt, ct)
+                                } else {
+                                    amx_scores(p, kvh, g, qa, nrt, ct)
+                                }
+                            };
                             let (t0, t1) = (gp.max(q0), (gp + KEY_GROUP - 1).min(q1));
                             b.each_row(|i, _, r| {
                                 if let Some((a, z)) = range(i, t0, t1) {
@@ -647,7 +668,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
             if let Some(mode) = amx {
                 #[cfg(target_arch = "x86_64")]
                 {
-                    use crate::kernels::attn_amx::{bf16_bits, weighted, VALUE_BLOCK};
+                    use crate::kernels::attn_amx::{bf16_bits, weighted, weighted_dp, VALUE_BLOCK};
                     amx_runs(mode, own, kvh, d, (s0, s1), true, &row, |p, kvh, q0, q1| {
                         // The probabilities as A tiles `[block][row tile]` (16 rows x 32 positions,
                         // bf16: rounded to bf16 above, so the high halves exactly), zero where a row
@@ -671,10 +692,16 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                                 }
                             }
                         });
-                        // SAFETY: the tile configuration is loaded on this thread; pa holds nb * nrt
-                        // tiles; acc holds 16 nrt rows of d; blocks b0..b0 + nb cover q0..=q1,
-                        // inside the packed span.
-                        unsafe { weighted(p, kvh, b0, nb, pa, nrt, acc) };
+                        // SAFETY: with AMX the tile configuration is loaded on this thread, else
+                        // AVX512_BF16 is available; pa holds nb * nrt tiles; acc holds 16 nrt rows
+                        // of d; blocks b0..b0 + nb cover q0..=q1, inside the packed span.
+                        unsafe {
+                            if dp {
+                                weighted_dp(p, kvh, b0, nb, pa, nrt, acc)
+                            } else {
+                                weighted(p, kvh, b0, nb, pa, nrt, acc)
+                            }
+                        };
                     });
                 }
                 #[cfg(not(target_arch = "x86_64"))]
@@ -716,8 +743,8 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if amx.is_some() {
-        // SAFETY: AMX is available (an AMX block exists); loaded above.
+    if amx.is_some() && !dp {
+        // SAFETY: AMX is available (an AMX block without `dp` exists); loaded above.
         unsafe { crate::kernels::attn_amx::release() };
     }
     for i in b.i0..b.i1 {
@@ -786,12 +813,12 @@ mod tests {
         qkv: &CpuTensor,
         chunk: AttnChunk,
         budget: usize,
-        tiles: bool,
+        loops: Loops,
         amx_budget: usize,
     ) -> Vec<f32> {
         let cols = shape.n_heads * shape.head_dim;
         let mut out = CpuTensor { rows: chunk.len, cols, data: vec![0.0; chunk.len * cols] };
-        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget, tiles, amx_budget));
+        pool.install(|| attend_with_budget(simd, qkv, chunk, shape, kv, &mut out, dtype, budget, loops, amx_budget));
         assert!(out.data.iter().all(|v| v.is_finite()) && out.data.iter().any(|&v| v != 0.0));
         out.data
     }
@@ -821,21 +848,34 @@ mod tests {
         ];
         // Three chunks: a long prefill, a second chunk over the cache, one decode token.
         each_chunk(7, &cases, &[150, 70, 1], 1.0, |shape, dtype, kv, qkv, chunk| {
-            let rows = run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, false, AMX_PACK_BUDGET);
+            let rows =
+                run(&pool, Simd::Avx2, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::OneRow, AMX_PACK_BUDGET);
             for simd in [Simd::Avx2, Simd::Avx512].into_iter().filter(|&s| Simd::detect() >= s) {
-                let tiles = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
+                let tiles =
+                    run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::F32Tiles, AMX_PACK_BUDGET);
                 assert!(same_bits(&rows, &tiles), "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}: the paths differ");
             }
         });
     }
 
-    /// The AMX tiles (bf16 activations, chunks of at least 16 queries) against the AVX-512 f32
-    /// loops: the same products summed in another order, so outputs agree to a few bf16 units
-    /// in the last place; and segmented spans give the AMX path's own bits again.
+    /// The bf16 tiles (bf16 activations, chunks of at least 16 queries) against the AVX-512 f32
+    /// loops, on AMX and in `vdpbf16ps` (AVX512_BF16 without AMX), whichever this CPU has: the
+    /// same products summed in another order, so outputs agree to a few bf16 units in the last
+    /// place; and segmented spans and per-block packing give the path's own results again.
     #[test]
-    fn amx_tiles_match_the_f32_loops() {
-        if Simd::detect() < Simd::Amx || !cfg!(target_arch = "x86_64") {
-            eprintln!("skipped: this CPU has no AMX (or the OS did not grant it)");
+    fn bf16_tiles_match_the_f32_loops() {
+        #[cfg(target_arch = "x86_64")]
+        let levels: Vec<Simd> = [
+            (Simd::Amx, Simd::detect() >= Simd::Amx),
+            (Simd::Avx512, Simd::detect() >= Simd::Avx512 && crate::kernels::avx512bf16::available()),
+        ]
+        .into_iter()
+        .filter_map(|(s, ok)| ok.then_some(s))
+        .collect();
+        #[cfg(not(target_arch = "x86_64"))]
+        let levels: Vec<Simd> = Vec::new();
+        if levels.is_empty() {
+            eprintln!("skipped: this CPU has neither AMX (granted by the OS) nor AVX512_BF16");
             return;
         }
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
@@ -845,34 +885,49 @@ mod tests {
             (96, Some(100), DType::BF16),
             (32, None, DType::BF16),
         ];
-        let mut worst = 0.0f32;
+        let mut worst = vec![0.0f32; levels.len()];
+        let mut differ = vec![0usize; levels.len()];
         // A long prefill, a chunk over the cache (ring wrapped for the sliding cases), a chunk
         // of exactly 16 and one of 17 queries, a decode token (f32 loops on both sides), and a
         // chunk whose full-layer span passes AMX_BLOCK_SEGMENT (several runs of packing).
         each_chunk(5, &cases, &[150, 70, 16, 17, 1, 1000], 2.0, |shape, dtype, kv, qkv, chunk| {
-            let f32_loops = run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
-            let tiles = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
+            let f32_loops =
+                run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::F32Tiles, AMX_PACK_BUDGET);
             let scale = f32_loops.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let err = f32_loops.iter().zip(&tiles).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
-            worst = worst.max(err);
-            assert!(err <= AMX_TOLERANCE, "{shape:?} chunk {chunk:?}: AMX differs by {err} of the largest output");
-            if chunk.len == 1 {
-                assert!(same_bits(&f32_loops, &tiles), "decode must stay on the f32 loops");
-            }
-            // Scores held in segments (several passes), and keys and values packed by each
-            // block rather than once per call, segment by segment.
-            for (budget, amx_budget) in
-                [(1, AMX_PACK_BUDGET), (4 * 64 * 2 * KV_TILE, AMX_PACK_BUDGET), (SCORE_BUDGET, 0), (1, 0)]
-            {
-                let seg = run(&pool, Simd::Amx, shape, dtype, kv, qkv, chunk, budget, true, amx_budget);
-                let err = tiles.iter().zip(&seg).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            for (li, &simd) in levels.iter().enumerate() {
+                let tiles =
+                    run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::Bf16Tiles, AMX_PACK_BUDGET);
+                let err = f32_loops.iter().zip(&tiles).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                worst[li] = worst[li].max(err);
                 assert!(
                     err <= AMX_TOLERANCE,
-                    "{shape:?} chunk {chunk:?} budget {budget}, packing {amx_budget}: differs by {err}"
+                    "{simd:?} {shape:?} chunk {chunk:?}: bf16 tiles differ by {err} of the largest output"
                 );
+                if chunk.len == 1 {
+                    assert!(same_bits(&f32_loops, &tiles), "{simd:?}: decode must stay on the f32 loops");
+                } else {
+                    // Outputs rounded to bf16 mostly hide the order of the f32 sums; over the
+                    // whole test some must differ, or the tiles did not run.
+                    differ[li] += f32_loops.iter().zip(&tiles).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                }
+                // Scores held in segments (several passes), and keys and values packed by each
+                // block rather than once per call, segment by segment.
+                for (budget, amx_budget) in
+                    [(1, AMX_PACK_BUDGET), (4 * 64 * 2 * KV_TILE, AMX_PACK_BUDGET), (SCORE_BUDGET, 0), (1, 0)]
+                {
+                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, Loops::Bf16Tiles, amx_budget);
+                    let err = tiles.iter().zip(&seg).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+                    assert!(
+                        err <= AMX_TOLERANCE,
+                        "{simd:?} {shape:?} chunk {chunk:?} budget {budget}, packing {amx_budget}: differs by {err}"
+                    );
+                }
             }
         });
-        eprintln!("AMX attention vs the f32 loops: largest difference {worst} of the largest output");
+        for ((simd, w), n) in levels.iter().zip(&worst).zip(&differ) {
+            eprintln!("{simd:?} bf16 attention tiles vs the f32 loops: largest difference {w} of the largest output, {n} outputs differ");
+            assert!(*n > 0, "{simd:?}: no output differs from the f32 loops: the bf16 tiles did not run");
+        }
     }
 
     /// Times one full-attention prefill chunk deep into a context on the 1.7B shape (8 query
@@ -913,15 +968,15 @@ mod tests {
         let qkv = fill(len);
         let chunk = AttnChunk { row: 0, len, start_pos: pos };
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        for (name, simd, amx_budget) in [
-            ("f32 loops (AVX-512)", Simd::Avx512, 0),
-            ("AMX, packed per call", Simd::Amx, usize::MAX),
-            ("AMX, packed per block", Simd::Amx, 0),
+        for (name, simd, loops, amx_budget) in [
+            ("f32 loops (AVX-512)", Simd::Avx512, Loops::F32Tiles, 0),
+            ("AMX, packed per call", Simd::Amx, Loops::Bf16Tiles, usize::MAX),
+            ("AMX, packed per block", Simd::Amx, Loops::Bf16Tiles, 0),
         ] {
             let mut ms: Vec<f64> = (0..3)
                 .map(|_| {
                     let t = std::time::Instant::now();
-                    run(&pool, simd, shape, DType::BF16, &kv, &qkv, chunk, SCORE_BUDGET, true, amx_budget);
+                    run(&pool, simd, shape, DType::BF16, &kv, &qkv, chunk, SCORE_BUDGET, loops, amx_budget);
                     t.elapsed().as_secs_f64() * 1e3
                 })
                 .collect();
@@ -946,11 +1001,12 @@ mod tests {
             [(64, None, DType::F32), (64, Some(150), DType::BF16), (256, None, DType::BF16), (96, None, DType::F32)];
         each_chunk(11, &cases, &[300, 90, 1, 1], 3.0, |shape, dtype, kv, qkv, chunk| {
             for &simd in &simds {
-                let whole = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, true, AMX_PACK_BUDGET);
+                let whole =
+                    run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::F32Tiles, AMX_PACK_BUDGET);
                 // Budget 1: segments of one KV tile (64 positions); the other: one or a few
                 // tiles, depending on the block's rows.
                 for budget in [1, 4 * 16 * 2 * KV_TILE] {
-                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, true, AMX_PACK_BUDGET);
+                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, Loops::F32Tiles, AMX_PACK_BUDGET);
                     assert!(
                         same_bits(&whole, &seg),
                         "{shape:?} {dtype:?} {simd:?} chunk {chunk:?}, budget {budget}: differs"

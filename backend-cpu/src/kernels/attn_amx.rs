@@ -15,6 +15,10 @@
 //!   the pair `(v[2r][16 g + c], v[2r + 1][16 g + c])`; the probabilities are the A tiles
 //!   (16 rows x 32 positions), so `P V` accumulates 16 rows x 16 columns per product.
 //!
+//! CPUs with AVX512_BF16 but no AMX (Zen 4/5) run the same tile products on the same layouts
+//! with `vdpbf16ps` ([`scores_dp`], [`weighted_dp`]): per B-tile row, one instruction per A row
+//! with that row's bf16 pair broadcast.
+//!
 //! A block's queries are packed into A tiles per 32 columns ([`pack_queries`]); its row tiles
 //! live in tmm0-3 (four at a time), the streamed B tile in tmm4, the A tile in tmm5. The accumulators of `P V`
 //! are loaded from and stored to the caller's f32 rows (tiles take a row stride).
@@ -442,6 +446,74 @@ pub unsafe fn weighted(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[u1
             }
             for t in 0..nt {
                 on_row_tile(t, Op::Store(acc.as_mut_ptr().add(at(t)).cast(), 4 * d));
+            }
+        }
+    }
+}
+
+/// The tile product `c += A B` with AVX512_BF16 instead of AMX, on the same layouts: `a` an A
+/// tile (16 rows x 16 bf16 pairs, rows 32 u16 apart), `b` a B tile (16 rows of 16 pairs), `c`
+/// the 16 rows of 16 f32 accumulators. Per B row, one `vdpbf16ps` per A row with that row's
+/// pair broadcast: the same exact bf16 products, summed in f32 in another order.
+///
+/// # Safety
+/// AVX512F/BW/BF16; `a` and `b` address 512 u16 each.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn dp_tile(c: &mut [__m512; 16], a: *const u16, b: *const u16) {
+    for r in 0..16 {
+        let bv: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(32 * r).cast()));
+        for (m, cm) in c.iter_mut().enumerate() {
+            let pair = (a.add(32 * m + 2 * r) as *const u32).read_unaligned();
+            let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
+            *cm = _mm512_dpbf16_ps(*cm, av, bv);
+        }
+    }
+}
+
+/// [`scores`] with AVX512_BF16 (`vdpbf16ps`, [`dp_tile`]) on CPUs without AMX: the same
+/// layouts and results up to the order of f32 additions.
+///
+/// # Safety
+/// AVX512F/BW/BF16 (no tile state needed); the rest as [`scores`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub unsafe fn scores_dp(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: usize, c: &mut [[f32; 256]]) {
+    let ksteps = kv.d / 32;
+    debug_assert!(qa.len() >= nrt * ksteps * TILE_U16 && c.len() >= nrt);
+    let kt = kv.key_group(kvh, g);
+    for (rt, ct) in c.iter_mut().enumerate().take(nrt) {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for s in 0..ksteps {
+            dp_tile(&mut acc, qa.as_ptr().add((rt * ksteps + s) * TILE_U16), kt.add(s * TILE_U16));
+        }
+        for (m, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(ct.as_mut_ptr().add(16 * m), *v);
+        }
+    }
+}
+
+/// [`weighted`] with AVX512_BF16 (`vdpbf16ps`, [`dp_tile`]) on CPUs without AMX.
+///
+/// # Safety
+/// AVX512F/BW/BF16 (no tile state needed); the rest as [`weighted`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub unsafe fn weighted_dp(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[u16], nrt: usize, acc: &mut [f32]) {
+    let d = kv.d;
+    let vgroups = d / 16;
+    debug_assert!(pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
+    let vt = kv.value_block(kvh, b0);
+    for rt in 0..nrt {
+        for g in 0..vgroups {
+            let at = |m: usize| (16 * rt + m) * d + 16 * g;
+            let mut c = [_mm512_setzero_ps(); 16];
+            for (m, cm) in c.iter_mut().enumerate() {
+                *cm = _mm512_loadu_ps(acc.as_ptr().add(at(m)));
+            }
+            for b in 0..nb {
+                dp_tile(&mut c, pa.as_ptr().add((b * nrt + rt) * TILE_U16), vt.add((b * vgroups + g) * TILE_U16));
+            }
+            for (m, cm) in c.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(at(m)), *cm);
             }
         }
     }
