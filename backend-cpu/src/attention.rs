@@ -165,7 +165,9 @@ impl CpuKv {
 /// AMX tiles instead ([`crate::kernels::attn_amx`]): the call's keys and values are packed once
 /// (blocks of up to 64 rows), or past 64 MiB of them (`AMX_PACK_BUDGET`) by each block (of up
 /// to 256 rows) a run of positions at a time; the scores and weighted values are sums of the
-/// same exact bf16 products in another order (the softmax and every rounding as above).
+/// same exact bf16 products in another order (the softmax and every rounding as above). CPUs
+/// with AVX512_BF16 and no AMX (Zen 4/5) take the same path with the tile products in
+/// `vdpbf16ps` ([`crate::kernels::attn_amx::scores_dp`], `weighted_dp`).
 pub fn attend(
     simd: Simd,
     qkv: &CpuTensor,

@@ -3,8 +3,11 @@
 //! [`Simd::detect`] picks AMX-BF16, AVX-512F or AVX2+FMA(+F16C) when the processor has them, else
 //! the portable path.
 //! `SPARK_CPU_SIMD=portable`, `=avx2` or `=avx512` caps the level (tests compare the paths).
-//! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 the
-//! bf16 matmuls of a few tokens with bf16 activations ([`avx512bf16`], `vdpbf16ps`); AMX the
+//! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 without
+//! AMX (Zen 4/5) the matmuls with bf16 activations of 2-15 tokens (bf16 weights) and of prefill
+//! (bf16 weights from 16 tokens, int4 from 32, int8 from 64, the quantized ones dequantized to
+//! bf16) ([`avx512bf16`], `vdpbf16ps`), and prefill attention (the AMX path's layouts, products
+//! in `vdpbf16ps`: [`attn_amx`]); AMX the
 //! matmuls whose activations are bf16: bf16 weights from one token (16 weight rows at a time up
 //! to 16 tokens), int8/int4 weights of more than 64 tokens (dequantized into bf16 tiles; also
 //! the int8 layouts AMX INT8 does not take, from 32) ([`amx`]), and prefill attention with bf16
