@@ -312,7 +312,7 @@ fn amx_runs<'a>(
             let own = own.get_or_insert_with(Packed::default);
             for q0 in (s0..=s1).step_by(AMX_BLOCK_SEGMENT) {
                 let q1 = (q0 + AMX_BLOCK_SEGMENT - 1).min(s1);
-                // SAFETY: AVX-512F/BW (an AMX block exists only when AMX is available).
+                // SAFETY: AVX-512F/BW (a bf16-tile block exists only with AMX or AVX512_BF16).
                 unsafe { own.repack(kvh..kvh + 1, d, q0, q1 + 1 - q0, row, (!values, values), false) };
                 f(own, 0, q0, q1);
             }
@@ -581,7 +581,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                             b.each_row(|i, _, r| {
                                 if let Some((a, z)) = range(i, t0, t1) {
                                     let c = &ct[r / 16][(r % 16) * 16..][..16];
-                                    // SAFETY: AVX-512F (AMX available); the destination holds the
+                                    // SAFETY: AVX-512F (AMX or AVX512_BF16); the destination holds the
                                     // z - a + 1 scores of row r from position a.
                                     unsafe {
                                         scale_scores(&c[a - gp..=z - gp], shape.scale, &mut sc[r * len + a - s0..])
@@ -636,7 +636,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                     let s = &mut sc[r * len + a - s0..r * len + z - s0 + 1];
                     match (long, pass) {
                         #[cfg(target_arch = "x86_64")]
-                        // SAFETY: AVX-512F (AMX available); the AMX path rounds to bf16.
+                        // SAFETY: AVX-512F (AMX or AVX512_BF16); this path rounds to bf16.
                         (false, _) if amx.is_some() => unsafe { crate::kernels::attn_amx::softmax_bf16(s) },
                         (false, _) => {
                             let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -690,7 +690,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                                     let (bi, j) = ((pos - p.base()) / VALUE_BLOCK - b0, (pos - p.base()) % VALUE_BLOCK);
                                     let run = (VALUE_BLOCK - j).min(z + 1 - pos);
                                     let dst = &mut pa[(bi * nrt + rt) * 512 + ri * 32 + j..][..run];
-                                    // SAFETY: AVX-512F (AMX available); both hold `run` values.
+                                    // SAFETY: AVX-512F (AMX or AVX512_BF16); both hold `run` values.
                                     unsafe { bf16_bits(&sc[r * len + pos - s0..][..run], dst) };
                                     pos += run;
                                 }

@@ -199,7 +199,10 @@ const BAND_BYTES: usize = 256 << 10;
 /// `x` (`[n, k]`, bf16 values held in f32) transposed into blocks of [`PREFILL_TOKENS`] tokens:
 /// block `b` holds `[pairs][32]` u32, each the bf16 bits of columns `2j` (low half) and `2j + 1`
 /// (high half) of one token; columns past `k` and tokens past `n` are zero.
-fn transpose_activations(x: &[f32], n: usize, k: usize) -> Vec<u32> {
+///
+/// # Safety
+/// AVX512F and AVX512BW are present ([`available`] returned true).
+unsafe fn transpose_activations(x: &[f32], n: usize, k: usize) -> Vec<u32> {
     use rayon::prelude::*;
     let pairs = k.div_ceil(2);
     let block = pairs * PREFILL_TOKENS;
@@ -212,8 +215,8 @@ fn transpose_activations(x: &[f32], n: usize, k: usize) -> Vec<u32> {
         let mut vector_cols = 0;
         for g in (t0..t1).step_by(16).filter(|g| g + 16 <= t1) {
             vector_cols = k / 32 * 32;
-            // SAFETY: this module's functions run only where available() (AVX512F/BW) held;
-            // rows g..g + 16 of x hold k values; dst holds pairs * 32 from lane g - t0 on.
+            // SAFETY: AVX512F/BW (this function's contract); rows g..g + 16 of x hold k values;
+            // dst holds pairs * 32 from lane g - t0 on.
             unsafe { transpose16_tokens(&x[g * k..(g + 16) * k], k, &mut dst[g - t0..]) };
         }
         for t in t0..t1 {
@@ -286,7 +289,8 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
         out.fill(0.0);
         return;
     }
-    let xt = transpose_activations(x, n, k);
+    // SAFETY: available() (this function's contract) covers AVX512F/BW.
+    let xt = unsafe { transpose_activations(x, n, k) };
     let block = k.div_ceil(2) * PREFILL_TOKENS;
     // Bands and tasks in multiples of 48 rows: whole tiles, and whole 64-byte lines of output.
     const ALIGN: usize = 48;
