@@ -471,7 +471,7 @@ unsafe fn dp_tile(c: &mut [__m512; 16], a: *const u16, b: *const u16) {
     }
 }
 
-/// [`scores`] with AVX512_BF16 (`vdpbf16ps`, [`dp_tile`]) on CPUs without AMX: the same
+/// [`scores`] with AVX512_BF16 (`vdpbf16ps`, `dp_tile`) on CPUs without AMX: the same
 /// layouts and results up to the order of f32 additions.
 ///
 /// # Safety
@@ -492,7 +492,7 @@ pub unsafe fn scores_dp(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: us
     }
 }
 
-/// [`weighted`] with AVX512_BF16 (`vdpbf16ps`, [`dp_tile`]) on CPUs without AMX.
+/// [`weighted`] with AVX512_BF16 (`vdpbf16ps`, `dp_tile`) on CPUs without AMX.
 ///
 /// # Safety
 /// AVX512F/BW/BF16 (no tile state needed); the rest as [`weighted`].
