@@ -256,6 +256,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        // Once per step: the ops' own `install` calls then run inline on this pool's worker.
+        self.pool.install(step)
+    }
+
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize], out: &mut CpuTensor) -> Result<()> {
         check(out.rows == rows.len() && out.cols == x.cols && rows.iter().all(|&r| r < x.rows), "gather_rows")?;
         for (o, &r) in out.data.chunks_mut(x.cols).zip(rows) {
@@ -268,5 +273,40 @@ impl Backend for CpuBackend {
         check(out.len() == x.data.len(), "read")?;
         out.copy_from_slice(&x.data);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step runs on one of the backend's own workers, and the ops it issues there (each an
+    /// `install` of the same pool) run inline and still split over every thread.
+    #[test]
+    fn run_step_enters_the_pool_once_and_ops_still_run_in_parallel() {
+        let b = CpuBackend::new(Some(2)).unwrap();
+        assert_eq!(rayon::current_thread_index(), None, "the test thread is not a worker");
+        let (worker, threads_seen) = b.run_step(|| {
+            let worker = rayon::current_thread_index();
+            let mut x = b.alloc(64, 256).unwrap();
+            x.data.iter_mut().enumerate().for_each(|(i, v)| *v = (i % 7) as f32 - 3.0);
+            let t = spark_core::weights::Tensor::from_f32("norm", vec![256], DType::F32, &[1.0; 256]);
+            let w = b.upload_weight(&t, WeightRole::Norm, DType::F32).unwrap();
+            let mut out = b.alloc(64, 256).unwrap();
+            b.rms_norm(&x, &w, 1e-6, &mut out, DType::F32).unwrap();
+            assert!(out.data.iter().all(|v| v.is_finite()));
+            // Which workers a parallel loop issued from inside the step reaches (both, given
+            // enough slow tasks: the other worker steals while this one sleeps).
+            let seen = std::sync::Mutex::new(std::collections::BTreeSet::new());
+            b.pool.install(|| {
+                (0..64).into_par_iter().for_each(|_| {
+                    seen.lock().unwrap().insert(rayon::current_thread_index());
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                })
+            });
+            (worker, seen.into_inner().unwrap())
+        });
+        assert!(worker.is_some(), "run_step must run the step on a worker of the backend's pool");
+        assert_eq!(threads_seen.len(), 2, "ops inside a step must still use every worker: {threads_seen:?}");
     }
 }

@@ -55,12 +55,12 @@ pub struct AttnShape {
 }
 
 /// Device operations. `Tensor`s are row-major `[rows, cols]` activation buffers.
-pub trait Backend: Send {
+pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     type Tensor: Send;
     type Rope: Send + Sync;
     /// One layer's K/V cache for one sequence.
-    type Kv: Send;
+    type Kv: Send + Sync;
 
     /// Backend name (`cpu`, `cuda`, ...).
     fn name(&self) -> &str;
@@ -211,6 +211,14 @@ pub trait Backend: Send {
     /// (a released sequence's KV) is not used by work still pending.
     fn end_step(&self) -> Result<()> {
         Ok(())
+    }
+    /// Runs `step`, the ops of one forward step, where this backend issues ops best. Default:
+    /// here, on the calling thread. The CPU backend enters its thread pool once for the whole
+    /// step: each op's parallel loop then starts on a worker thread, instead of waking the pool
+    /// from outside and putting the caller to sleep until it is done (two cross-thread hand-offs
+    /// per op, a few hundred per decode step).
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        step()
     }
 }
 

@@ -284,7 +284,9 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    fn run(&mut self, batch: &[SeqStep<'_>], out: &mut [f32]) -> Result<()> {
+    /// One step's ops, on the backend's step context ([`Backend::run_step`]); `seqs` is
+    /// `self.seqs`, lent apart from the rest of `self`.
+    fn run(&self, seqs: &mut HashMap<u64, Seq<B>>, batch: &[SeqStep<'_>], out: &mut [f32]) -> Result<()> {
         let cfg = &self.cfg;
         let b = &self.backend;
         let act = self.dtype;
@@ -328,8 +330,7 @@ impl<B: Backend> Model<B> {
                 scale,
             };
             for (s, c) in batch.iter().zip(&chunks) {
-                let seq = self
-                    .seqs
+                let seq = seqs
                     .get_mut(&s.seq_id)
                     .ok_or_else(|| Error::internal(format!("sequence {} vanished", s.seq_id)))?;
                 b.attention(&qkv, *c, shape, &mut seq.kv[li], &mut attn, act)?;
@@ -395,7 +396,10 @@ impl<B: Backend> Executor for Model<B> {
                 }
             }
         }
-        let r = self.run(batch, out);
+        let mut seqs = std::mem::take(&mut self.seqs);
+        let this = &*self;
+        let r = this.backend.run_step(|| this.run(&mut seqs, batch, out));
+        self.seqs = seqs;
         // Also after an error: work issued before it runs before anything is freed.
         let ended = self.backend.end_step();
         match r.and(ended) {
