@@ -410,6 +410,38 @@ fn bench_prefills_in_ubatches() {
     assert!(o["tok_s_mean"].as_f64().unwrap() > 0.0);
 }
 
+/// `bench -d N` runs both tests after N cached tokens (llama-bench's -d) and names them so; a
+/// depth that does not fit the context is refused, naming the options.
+#[test]
+fn bench_runs_the_tests_at_a_depth() {
+    let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
+    let st = spark()
+        .args(["bench", "--model"])
+        .arg(&ckpt)
+        .args(["-p", "8", "-n", "3", "-d", "20", "--ubatch", "7", "-r", "1", "-t", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&st.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["test"], "pp8 @ d20");
+    assert_eq!(lines[1]["test"], "tg3 @ d20");
+    for o in &lines {
+        assert_eq!(o["depth"], 20);
+        assert!(o["tok_s_mean"].as_f64().unwrap() > 0.0);
+    }
+    let st = spark()
+        .args(["bench", "--model"])
+        .arg(&ckpt)
+        .args(["-p", "8", "-n", "3", "-d", "30", "--ctx-size", "32", "-r", "1", "-t", "1"])
+        .output()
+        .unwrap();
+    assert!(!st.status.success());
+    let err = String::from_utf8_lossy(&st.stderr);
+    assert!(err.contains("-d plus -p or -n must fit in --ctx-size 32"), "{err}");
+}
+
 /// `bench --json` prints one object per test with the documented fields.
 #[test]
 fn bench_json_has_the_documented_fields() {

@@ -16,7 +16,7 @@ use spark_core::gguf::{is_gguf, GgufFile};
 use spark_core::quant::{snr_db, QFormat, QPlan, QuantSpec};
 use spark_core::sample::Xoshiro256;
 use spark_core::weights::{NamedRef, Weight};
-use spark_core::{LogitsMode, SeqStep};
+use spark_core::{Executor, LogitsMode, SeqStep};
 
 use crate::load;
 use crate::ModelArgs;
@@ -35,6 +35,10 @@ pub struct BenchArgs {
     /// Tokens of the decode test (0 = skip).
     #[arg(short = 'n', long, default_value_t = 128)]
     pub n_gen: usize,
+    /// Run both tests after this many tokens already in the cache (prefilled untimed, in steps
+    /// of --ubatch or 512): llama-bench's -d; the tests are then named "pp512 @ d4096".
+    #[arg(short = 'd', long, default_value_t = 0)]
+    pub depth: usize,
     /// Repetitions.
     #[arg(short = 'r', long, default_value_t = 3)]
     pub reps: usize,
@@ -58,6 +62,35 @@ pub struct BenchArgs {
     /// The f32 reference checkpoint for --snr (default: --model itself, without --quant).
     #[arg(long)]
     pub reference: Option<String>,
+}
+
+/// Prefills `depth` random tokens into each of `seqs` (new sequences), untimed, in steps of
+/// `ubatch` tokens (512 when 0), all sequences in each step.
+fn fill(
+    exec: &mut dyn Executor,
+    seqs: &[u64],
+    depth: usize,
+    ubatch: usize,
+    tok: &mut dyn FnMut() -> u32,
+) -> anyhow::Result<()> {
+    let step = if ubatch == 0 { 512 } else { ubatch };
+    let ids: Vec<Vec<u32>> = seqs.iter().map(|_| (0..depth).map(|_| tok()).collect()).collect();
+    let mut logits = vec![];
+    for start in (0..depth).step_by(step) {
+        let end = (start + step).min(depth);
+        let steps: Vec<SeqStep> = seqs
+            .iter()
+            .zip(&ids)
+            .map(|(&s, t)| SeqStep {
+                seq_id: s,
+                tokens: &t[start..end],
+                start_pos: start as u32,
+                logits: LogitsMode::None,
+            })
+            .collect();
+        exec.forward(&steps, &mut logits)?;
+    }
+    Ok(())
 }
 
 fn stats(v: &[f64]) -> (f64, f64) {
@@ -308,8 +341,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let load_peak = sampler.stop();
     let cfg = l.config.clone();
     let info = l.exec.info();
-    let need = a.prompt.max(a.n_gen + 1);
-    anyhow::ensure!(need < info.ctx, "-p and -n must fit in --ctx-size {}", info.ctx);
+    let need = a.depth + a.prompt.max(a.n_gen + 1);
+    anyhow::ensure!(need < info.ctx, "-d plus -p or -n must fit in --ctx-size {}", info.ctx);
     let mut rng = Xoshiro256::new(42);
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
@@ -322,16 +355,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
     let mut rows = vec![];
     let mut seq = 100u64;
+    let at = if a.depth > 0 { format!(" @ d{}", a.depth) } else { String::new() };
     if a.prompt > 0 {
         let mut logits = vec![0.0f32; cfg.vocab];
         let mut v = vec![];
         for rep in 0..a.warmup + a.reps {
             let ids: Vec<u32> = (0..a.prompt).map(|_| tok()).collect();
             seq += 1;
+            fill(l.exec.as_mut(), &[seq], a.depth, a.ubatch, &mut tok)?;
             let t = Instant::now();
             let step = if a.ubatch == 0 { ids.len() } else { a.ubatch };
             for (c, part) in ids.chunks(step).enumerate() {
-                let start_pos = u32::try_from(c * step)?;
+                let start_pos = u32::try_from(a.depth + c * step)?;
                 l.exec.forward(
                     &[SeqStep { seq_id: seq, tokens: part, start_pos, logits: LogitsMode::Last }],
                     &mut logits,
@@ -344,7 +379,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         let (mean, sd) = stats(&v);
         rows.push(Row {
-            test: format!("pp{}", a.prompt),
+            test: format!("pp{}{at}", a.prompt),
             mean,
             sd,
             batch: 1,
@@ -361,11 +396,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
             let n_gen = if rep < a.warmup { a.n_gen.min(8) } else { a.n_gen };
             let seqs: Vec<u64> = (0..b as u64).map(|i| seq + 1 + i).collect();
             seq += b as u64;
+            fill(l.exec.as_mut(), &seqs, a.depth, a.ubatch, &mut tok)?;
+            let d = u32::try_from(a.depth)?;
             let firsts: Vec<[u32; 1]> = (0..b).map(|_| [tok()]).collect();
             let steps: Vec<SeqStep> = seqs
                 .iter()
                 .zip(&firsts)
-                .map(|(&s, f)| SeqStep { seq_id: s, tokens: f, start_pos: 0, logits: LogitsMode::Last })
+                .map(|(&s, f)| SeqStep { seq_id: s, tokens: f, start_pos: d, logits: LogitsMode::Last })
                 .collect();
             l.exec.forward(&steps, &mut logits)?;
             let t = Instant::now();
@@ -377,7 +414,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     .map(|(&s, id)| SeqStep {
                         seq_id: s,
                         tokens: id,
-                        start_pos: (i + 1) as u32,
+                        start_pos: d + (i + 1) as u32,
                         logits: LogitsMode::Last,
                     })
                     .collect();
@@ -394,7 +431,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         // A step reads the weights once for the whole batch.
         let pct = (bw > 0.0).then(|| 100.0 * bytes_per_token * (mean / b as f64) / bw);
         rows.push(Row {
-            test: format!("tg{}", a.n_gen),
+            test: format!("tg{}{at}", a.n_gen),
             mean,
             sd,
             batch: b,
@@ -439,7 +476,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "precision": precision, "dtype": info.dtype.name(), "threads": l.threads, "test": r.test,
                 "batch": r.batch, "tok_s_mean": r.mean, "tok_s_sd": r.sd, "reps": a.reps,
                 "bytes_per_token": r.bytes_per_token, "roofline_pct": r.roofline_pct,
-                "ubatch": (r.test.starts_with("pp") && a.ubatch > 0).then_some(a.ubatch),
+                "ubatch": (r.test.starts_with("pp") && a.ubatch > 0).then_some(a.ubatch), "depth": a.depth,
                 "read_bw_gb_s": (bw > 0.0).then_some(bw / 1e9), "load_s": l.load_time.as_secs_f64(),
                 "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0))});
             if let Some((s, ag, n)) = snr {
