@@ -240,8 +240,17 @@ fn attend_with_budget(
     while qb > 1 && chunk.len.div_ceil(qb) * shape.n_kv_heads < 2 * threads {
         qb /= 2;
     }
-    let hb = if chunk.len.div_ceil(qb) * shape.n_kv_heads >= 2 * threads { hb_max } else { 1 };
     let qblocks = chunk.len.div_ceil(qb);
+    let hb = if qblocks * shape.n_kv_heads >= 2 * threads {
+        hb_max
+    } else if qblocks == 1 {
+        // One query block (decode): the blocks are equal, so one per thread balances; each
+        // takes as many of a KV head's query heads as leaves a block for every thread, since
+        // the blocks of one KV head each read all its keys and values.
+        (1..=hb_max).rev().find(|&h| hb_max % h == 0 && shape.n_heads / h >= threads).unwrap_or(1)
+    } else {
+        1
+    };
     let hblocks = shape.n_heads / hb;
     let outp = SharedOut(out.data.as_mut_ptr());
     (0..qblocks * hblocks).into_par_iter().for_each_init(Scratch::default, |scratch, task| {
@@ -451,7 +460,8 @@ struct Scratch {
     scores: Vec<f32>,
     /// `[row][head_dim]` accumulators.
     acc: Vec<f32>,
-    /// `[KV_TILE][head_dim]` keys or values as f32 (the tile loops).
+    /// `[KV_TILE][head_dim]` keys or values widened to f32, for a tile of mixed rows (the
+    /// tile loops; none today: see `for_tiles`).
     tile: Vec<f32>,
     /// `[KV_TILE]` one row's scores in a tile.
     dots: Vec<f32>,
@@ -465,23 +475,67 @@ struct Scratch {
     own: Option<Packed>,
 }
 
-/// Calls `f(t0, t1, tile)` for each tile `t0..=t1` of at most [`KV_TILE`] positions in
-/// `lo..=hi`, with `tile` holding `row(pos)` as f32 (`d` apart) for the tile's positions.
+/// One tile's key or value rows for the tile loops: a pointer to each row's `d` values, all of
+/// one element type.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[derive(Clone, Copy)]
+enum TileRows<'t> {
+    F32(&'t [*const f32]),
+    /// The bf16 bits of a bf16 cache's rows.
+    BF16(&'t [*const u16]),
+}
+
+/// Calls `f(t0, t1, rows)` for each tile `t0..=t1` of at most [`KV_TILE`] positions in
+/// `lo..=hi`, `rows` pointing at `row(pos)` for the tile's positions where they lie (a bf16
+/// cache read as bf16). A tile never straddles `split` (the chunk's first position: the cache
+/// below, the chunk's f32 activations from it), so its rows share one type; rows of any other
+/// mix (none today) are widened to f32 into `tile` first.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn for_tiles<'a>(
     lo: usize,
     hi: usize,
+    split: usize,
     d: usize,
-    tile: &mut [f32],
+    tile: &mut Vec<f32>,
     row: impl Fn(usize) -> Row<'a>,
-    mut f: impl FnMut(usize, usize, &[f32]),
+    mut f: impl FnMut(usize, usize, TileRows<'_>),
 ) {
-    for t0 in (lo..=hi).step_by(KV_TILE) {
-        let t1 = (t0 + KV_TILE - 1).min(hi);
-        for (j, pos) in (t0..=t1).enumerate() {
-            row(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
+    let mut pf = [std::ptr::null::<f32>(); KV_TILE];
+    let mut pb = [std::ptr::null::<u16>(); KV_TILE];
+    let mut t0 = lo;
+    while t0 <= hi {
+        let mut t1 = (t0 + KV_TILE - 1).min(hi);
+        if t0 < split {
+            t1 = t1.min(split - 1);
         }
-        f(t0, t1, tile);
+        let n = t1 + 1 - t0;
+        let (mut nf, mut nb) = (0, 0);
+        for pos in t0..=t1 {
+            match row(pos) {
+                Row::F32(r) => {
+                    pf[nf] = r.as_ptr();
+                    nf += 1;
+                }
+                Row::BF16(r) => {
+                    pb[nb] = r.as_ptr();
+                    nb += 1;
+                }
+                Row::F16(_) => {}
+            }
+        }
+        if nf == n {
+            f(t0, t1, TileRows::F32(&pf[..n]));
+        } else if nb == n {
+            f(t0, t1, TileRows::BF16(&pb[..n]));
+        } else {
+            tile.resize(KV_TILE * d, 0.0);
+            for (j, pos) in (t0..=t1).enumerate() {
+                row(pos).to_f32(&mut tile[j * d..(j + 1) * d]);
+                pf[j] = tile[j * d..].as_ptr();
+            }
+            f(t0, t1, TileRows::F32(&pf[..n]));
+        }
+        t0 = t1 + 1;
     }
 }
 
@@ -510,7 +564,6 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
     let wide = amx.is_none() && tiles && cfg!(target_arch = "x86_64") && simd >= Simd::Avx2 && d.is_multiple_of(32);
     let avx512 = simd >= Simd::Avx512;
     if wide {
-        tile.resize(KV_TILE * d, 0.0);
         dots.resize(KV_TILE, 0.0);
     }
     // AMX: the block's rows in row tiles of 16 (the last one padded with zero queries).
@@ -598,19 +651,20 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                 }
             } else if wide {
                 #[cfg(target_arch = "x86_64")]
-                for_tiles(s0, s1, d, tile, key, |t0, t1, tile| {
+                for_tiles(s0, s1, chunk.start_pos, d, tile, key, |t0, t1, rows| {
                     b.each_row(|i, h, r| {
                         if let Some((a, z)) = range(i, t0, t1) {
-                            let q = query(i, h);
-                            let (kp, nk, op) = (tile[(a - t0) * d..].as_ptr(), z - a + 1, dots.as_mut_ptr());
+                            let (q, op) = (query(i, h).as_ptr(), dots.as_mut_ptr());
+                            use crate::kernels::{attn_avx2 as a2, attn_avx512 as a5};
                             // SAFETY: Simd::Avx512 implies AVX-512F, AVX2 and FMA, Simd::Avx2
-                            // AVX2 and FMA; d % 32 == 0; the tile holds rows a - t0 ..= z - t0 of
-                            // d values; dots holds KV_TILE >= z - a + 1.
+                            // AVX2 and FMA; d % 32 == 0; each row pointer holds d values (see
+                            // for_tiles); dots holds KV_TILE >= z - a + 1.
                             unsafe {
-                                if avx512 {
-                                    crate::kernels::attn_avx512::dots(q.as_ptr(), kp, nk, d, op)
-                                } else {
-                                    crate::kernels::attn_avx2::dots(q.as_ptr(), kp, nk, d, op)
+                                match (rows, avx512) {
+                                    (TileRows::F32(k), true) => a5::dots(q, &k[a - t0..=z - t0], d, op),
+                                    (TileRows::BF16(k), true) => a5::dots(q, &k[a - t0..=z - t0], d, op),
+                                    (TileRows::F32(k), false) => a2::dots(q, &k[a - t0..=z - t0], d, op),
+                                    (TileRows::BF16(k), false) => a2::dots(q, &k[a - t0..=z - t0], d, op),
                                 }
                             };
                             for (j, &v) in dots[..z - a + 1].iter().enumerate() {
@@ -715,20 +769,21 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                 }
             } else if wide {
                 #[cfg(target_arch = "x86_64")]
-                for_tiles(s0, s1, d, tile, value, |t0, t1, tile| {
+                for_tiles(s0, s1, chunk.start_pos, d, tile, value, |t0, t1, rows| {
                     b.each_row(|i, _, r| {
                         if let Some((a, z)) = range(i, t0, t1) {
-                            let (pp, vp, nv) =
-                                (sc[r * len + a - s0..].as_ptr(), tile[(a - t0) * d..].as_ptr(), z - a + 1);
+                            let pp = sc[r * len + a - s0..].as_ptr();
                             let ap = acc[r * d..(r + 1) * d].as_mut_ptr();
+                            use crate::kernels::{attn_avx2 as a2, attn_avx512 as a5};
                             // SAFETY: Simd::Avx512 implies AVX-512F, Simd::Avx2 AVX2 and FMA;
                             // d % 32 == 0; sc holds row r's probabilities for positions a..=z,
-                            // the tile rows a - t0 ..= z - t0, acc row r d values.
+                            // each row pointer d values (see for_tiles), acc row r d values.
                             unsafe {
-                                if avx512 {
-                                    crate::kernels::attn_avx512::weighted_sum(pp, vp, nv, d, ap)
-                                } else {
-                                    crate::kernels::attn_avx2::weighted_sum(pp, vp, nv, d, ap)
+                                match (rows, avx512) {
+                                    (TileRows::F32(v), true) => a5::weighted_sum(pp, &v[a - t0..=z - t0], d, ap),
+                                    (TileRows::BF16(v), true) => a5::weighted_sum(pp, &v[a - t0..=z - t0], d, ap),
+                                    (TileRows::F32(v), false) => a2::weighted_sum(pp, &v[a - t0..=z - t0], d, ap),
+                                    (TileRows::BF16(v), false) => a2::weighted_sum(pp, &v[a - t0..=z - t0], d, ap),
                                 }
                             };
                         }

@@ -1,4 +1,4 @@
-//! AVX-512 attention inner loops over a tile of f32 key / value rows (x86-64), used by
+//! AVX-512 attention inner loops over a tile of key / value rows (x86-64), used by
 //! [`crate::attention`] for head dims that are multiples of 32.
 //!
 //! Both give bit for bit what the one-row AVX2 loops give ([`super::avx2::dot`] per score,
@@ -9,6 +9,10 @@
 //! - [`weighted_sum`]: `acc += sum_j p_j v_j` with the accumulator in registers across the
 //!   tile's positions (128 columns at a time), one FMA per position and column in increasing
 //!   position order, as the repeated axpy does in memory.
+//!
+//! The rows are given one pointer each ([`KvEl`]: f32, or the bf16 bits of a bf16 cache, widened
+//! exactly in registers as they are loaded), so a tile is read where it lies: the cache's ring
+//! slots or the chunk's own activations, with no f32 copy.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -16,16 +20,53 @@ use std::arch::x86_64::*;
 
 use super::avx2::hsum;
 
-/// `out[j] = q . k_j` for `nk` keys `d` apart from `keys` (`d % 32 == 0`).
+/// A key / value element the tile loops read: f32, or bf16 bits (`u16`).
+pub trait KvEl: Copy {
+    /// 16 values from `p` as f32 (exact).
+    ///
+    /// # Safety
+    /// AVX-512F; `p` holds 16 elements.
+    unsafe fn load16(p: *const Self) -> __m512;
+    /// 8 values from `p` as f32 (exact).
+    ///
+    /// # Safety
+    /// AVX2; `p` holds 8 elements.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvEl for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+}
+
+impl KvEl for u16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const u16) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+    }
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+    }
+}
+
+/// `out[j] = q . k_j` for the keys `keys[j]` (`d` values each, `d % 32 == 0`).
 ///
 /// # Safety
-/// AVX-512F, AVX2 and FMA; `q` holds `d` values, `keys` `nk * d`, `out` `nk`.
+/// AVX-512F, AVX2 and FMA; `q` holds `d` values, each `keys[j]` `d`, `out` `keys.len()`.
 #[target_feature(enable = "avx512f,avx2,fma")]
-pub unsafe fn dots(q: *const f32, keys: *const f32, nk: usize, d: usize, out: *mut f32) {
+pub unsafe fn dots<E: KvEl>(q: *const f32, keys: &[*const E], d: usize, out: *mut f32) {
     debug_assert!(d.is_multiple_of(32));
+    let nk = keys.len();
     let mut j = 0;
     while j + 4 <= nk {
-        let k = [0, 1, 2, 3].map(|u| keys.add((j + u) * d));
+        let k = [0, 1, 2, 3].map(|u| keys[j + u]);
         // acc[u][0] = [a0 | a1], acc[u][1] = [a2 | a3] of `dot`'s four 8-lane sums.
         let mut acc = [[_mm512_setzero_ps(); 2]; 4];
         let mut i = 0;
@@ -33,8 +74,8 @@ pub unsafe fn dots(q: *const f32, keys: *const f32, nk: usize, d: usize, out: *m
             let q0 = _mm512_loadu_ps(q.add(i));
             let q1 = _mm512_loadu_ps(q.add(i + 16));
             for u in 0..4 {
-                acc[u][0] = _mm512_fmadd_ps(q0, _mm512_loadu_ps(k[u].add(i)), acc[u][0]);
-                acc[u][1] = _mm512_fmadd_ps(q1, _mm512_loadu_ps(k[u].add(i + 16)), acc[u][1]);
+                acc[u][0] = _mm512_fmadd_ps(q0, E::load16(k[u].add(i)), acc[u][0]);
+                acc[u][1] = _mm512_fmadd_ps(q1, E::load16(k[u].add(i + 16)), acc[u][1]);
             }
             i += 32;
         }
@@ -44,12 +85,12 @@ pub unsafe fn dots(q: *const f32, keys: *const f32, nk: usize, d: usize, out: *m
         j += 4;
     }
     while j < nk {
-        let k = keys.add(j * d);
+        let k = keys[j];
         let mut a = [_mm512_setzero_ps(); 2];
         let mut i = 0;
         while i < d {
-            a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i)), _mm512_loadu_ps(k.add(i)), a[0]);
-            a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i + 16)), _mm512_loadu_ps(k.add(i + 16)), a[1]);
+            a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i)), E::load16(k.add(i)), a[0]);
+            a[1] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(i + 16)), E::load16(k.add(i + 16)), a[1]);
             i += 32;
         }
         *out.add(j) = reduce(a[0], a[1]);
@@ -65,37 +106,37 @@ unsafe fn reduce(x: __m512, y: __m512) -> f32 {
     hsum(_mm256_add_ps(_mm256_add_ps(lo(x), hi(x)), _mm256_add_ps(lo(y), hi(y))))
 }
 
-/// `acc[c] += p[j] * v_j[c]` for `nv` value rows `d` apart from `vals`, in increasing `j`, for
-/// every column `c < d` (`d % 16 == 0`).
+/// `acc[c] += p[j] * v_j[c]` for the value rows `vals[j]` (`d` values each), in increasing `j`,
+/// for every column `c < d` (`d % 16 == 0`).
 ///
 /// # Safety
-/// AVX-512F; `p` holds `nv` values, `vals` `nv * d`, `acc` `d`.
+/// AVX-512F; `p` holds `vals.len()` values, each `vals[j]` `d`, `acc` `d`.
 #[target_feature(enable = "avx512f")]
-pub unsafe fn weighted_sum(p: *const f32, vals: *const f32, nv: usize, d: usize, acc: *mut f32) {
+pub unsafe fn weighted_sum<E: KvEl>(p: *const f32, vals: &[*const E], d: usize, acc: *mut f32) {
     debug_assert!(d.is_multiple_of(16));
     let mut c0 = 0;
     while c0 + 128 <= d {
-        columns::<8>(p, vals, nv, d, acc, c0);
+        columns::<E, 8>(p, vals, acc, c0);
         c0 += 128;
     }
     while c0 < d {
-        columns::<1>(p, vals, nv, d, acc, c0);
+        columns::<E, 1>(p, vals, acc, c0);
         c0 += 16;
     }
 }
 
 /// [`weighted_sum`] on columns `c0..c0 + 16 W`, the `W` accumulators in registers.
 #[inline(always)]
-unsafe fn columns<const W: usize>(p: *const f32, vals: *const f32, nv: usize, d: usize, acc: *mut f32, c0: usize) {
+unsafe fn columns<E: KvEl, const W: usize>(p: *const f32, vals: &[*const E], acc: *mut f32, c0: usize) {
     let mut a = [_mm512_setzero_ps(); W];
     for (l, a) in a.iter_mut().enumerate() {
         *a = _mm512_loadu_ps(acc.add(c0 + 16 * l));
     }
-    for j in 0..nv {
+    for (j, &v) in vals.iter().enumerate() {
         let pj = _mm512_set1_ps(*p.add(j));
-        let v = vals.add(j * d + c0);
+        let v = v.add(c0);
         for (l, a) in a.iter_mut().enumerate() {
-            *a = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v.add(16 * l)), *a);
+            *a = _mm512_fmadd_ps(pj, E::load16(v.add(16 * l)), *a);
         }
     }
     for (l, a) in a.iter().enumerate() {
