@@ -410,20 +410,25 @@ fn bench_prefills_in_ubatches() {
     assert!(o["tok_s_mean"].as_f64().unwrap() > 0.0);
 }
 
+/// `spark-run bench --model <m8 f32 golden checkpoint> ARGS`: its JSON lines, after asserting
+/// that it succeeded.
+fn bench_json(args: &[&str]) -> Vec<serde_json::Value> {
+    let st = spark()
+        .args(["bench", "--model"])
+        .arg(repo().join("testdata/golden/m8/ckpt_f32"))
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+    String::from_utf8_lossy(&st.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
 /// `bench -d N` runs both tests after N cached tokens (llama-bench's -d) and names them so; a
 /// depth that does not fit the context is refused, naming the options.
 #[test]
 fn bench_runs_the_tests_at_a_depth() {
-    let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
-    let st = spark()
-        .args(["bench", "--model"])
-        .arg(&ckpt)
-        .args(["-p", "8", "-n", "3", "-d", "20", "--ubatch", "7", "-r", "1", "-t", "1", "--json"])
-        .output()
-        .unwrap();
-    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&st.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = bench_json(&["-p", "8", "-n", "3", "-d", "20", "--ubatch", "7", "-r", "1", "-t", "1"]);
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[0]["test"], "pp8 @ d20");
     assert_eq!(lines[1]["test"], "tg3 @ d20");
@@ -433,7 +438,7 @@ fn bench_runs_the_tests_at_a_depth() {
     }
     let st = spark()
         .args(["bench", "--model"])
-        .arg(&ckpt)
+        .arg(repo().join("testdata/golden/m8/ckpt_f32"))
         .args(["-p", "8", "-n", "3", "-d", "30", "--ctx-size", "32", "-r", "1", "-t", "1"])
         .output()
         .unwrap();
@@ -445,16 +450,7 @@ fn bench_runs_the_tests_at_a_depth() {
 /// `bench --json` prints one object per test with the documented fields.
 #[test]
 fn bench_json_has_the_documented_fields() {
-    let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
-    let st = spark()
-        .args(["bench", "--model"])
-        .arg(&ckpt)
-        .args(["-p", "16", "-n", "4", "-r", "2", "-t", "1", "--json", "--quant", "int8", "--snr"])
-        .output()
-        .unwrap();
-    assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
-    let lines: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&st.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines = bench_json(&["-p", "16", "-n", "4", "-r", "2", "-t", "1", "--quant", "int8", "--snr"]);
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[0]["test"], "pp16");
     assert_eq!(lines[1]["test"], "tg4");
