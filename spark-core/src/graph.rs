@@ -398,8 +398,22 @@ impl<B: Backend> Executor for Model<B> {
         }
         let mut seqs = std::mem::take(&mut self.seqs);
         let this = &*self;
-        let r = this.backend.run_step(|| this.run(&mut seqs, batch, out));
+        // A panic inside the step is held here until the sequences are back in place (this
+        // step's then released, as after an error), then goes on to the caller.
+        let caught = this
+            .backend
+            .run_step(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| this.run(&mut seqs, batch, out))));
         self.seqs = seqs;
+        let r = match caught {
+            Ok(r) => r,
+            Err(panic) => {
+                let _ = self.backend.end_step();
+                for s in batch {
+                    self.seqs.remove(&s.seq_id);
+                }
+                std::panic::resume_unwind(panic)
+            }
+        };
         // Also after an error: work issued before it runs before anything is freed.
         let ended = self.backend.end_step();
         match r.and(ended) {

@@ -3,7 +3,8 @@
 //! prefill logits, top-1 agreement per prefill position and greedy agreement of cached decode
 //! steps, at every integer SIMD level this CPU has. A delegating backend records that every
 //! quantized matrix was repacked for the integer kernels (not dequantized) and that the
-//! matmuls ran on them.
+//! matmuls ran on them. The same backend also panics on request, to check what a panic inside a
+//! step leaves of the model's sequences.
 
 mod common;
 
@@ -28,6 +29,24 @@ struct Spy {
     quant_uploads: AtomicUsize,
     int_weights: AtomicUsize,
     int_matmuls: AtomicUsize,
+    /// Panic in the matmul call with this index (0-based, counting every matmul; `usize::MAX`:
+    /// never), to see what a panic inside a step leaves behind.
+    panic_at: AtomicUsize,
+    matmuls: AtomicUsize,
+}
+
+impl Spy {
+    fn new(simd: Simd, dequant: bool) -> Spy {
+        Spy {
+            cpu: CpuBackend::with_simd(Some(2), simd).unwrap(),
+            dequant,
+            quant_uploads: AtomicUsize::new(0),
+            int_weights: AtomicUsize::new(0),
+            int_matmuls: AtomicUsize::new(0),
+            panic_at: AtomicUsize::new(usize::MAX),
+            matmuls: AtomicUsize::new(0),
+        }
+    }
 }
 
 impl Backend for Spy {
@@ -77,6 +96,9 @@ impl Backend for Spy {
         self.cpu.rms_norm(x, w, eps, out, round)
     }
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor, round: DType) -> Result<()> {
+        if self.matmuls.fetch_add(1, Ordering::Relaxed) == self.panic_at.load(Ordering::Relaxed) {
+            panic!("Spy: the planned panic inside a step");
+        }
         if w.quant().is_some() {
             self.int_matmuls.fetch_add(1, Ordering::Relaxed);
         }
@@ -127,6 +149,9 @@ impl Backend for Spy {
     fn read(&self, x: &CpuTensor, out: &mut [f32]) -> Result<()> {
         self.cpu.read(x, out)
     }
+    fn run_step<R: Send>(&self, step: impl FnOnce() -> R + Send) -> R {
+        self.cpu.run_step(step)
+    }
 }
 
 fn run_forward(m: &mut Model<Spy>, seq: u64, ids: &[u32], start: usize, mode: LogitsMode) -> Vec<f32> {
@@ -139,13 +164,7 @@ fn run_forward(m: &mut Model<Spy>, seq: u64, ids: &[u32], start: usize, mode: Lo
 /// of decode steps fed the reference's greedy tokens (both as fractions).
 fn check(spec: QuantSpec, simd: Simd, dequant: bool) -> (f64, f64, f64) {
     let gold = load_golden(&repo().join("testdata/golden/m8/golden.safetensors"));
-    let spy = Spy {
-        cpu: CpuBackend::with_simd(Some(2), simd).unwrap(),
-        dequant,
-        quant_uploads: AtomicUsize::new(0),
-        int_weights: AtomicUsize::new(0),
-        int_matmuls: AtomicUsize::new(0),
-    };
+    let spy = Spy::new(simd, dequant);
     let opts = ModelOptions { quant: Some(spec), dtype: Some(DType::F32), ..Default::default() };
     let mut m = Model::load(spy, &repo().join("testdata/golden/m8/ckpt_f32"), &opts).unwrap();
     let b = m.backend();
@@ -230,4 +249,31 @@ fn int4_g32_at_load_is_close_to_f32_golden() {
     let (snr, top1, greedy, base) = check_all(QuantSpec::new(QFormat::I4, Some(32)), "int4 g32");
     assert!(snr > 12.5 && snr > base - 1.5, "int4 SNR {snr:.1} dB (weights only {base:.1})");
     assert!(top1 >= 0.72 && greedy >= 0.9, "int4 agreement: top-1 {top1}, greedy {greedy}");
+}
+
+/// A panic inside a step (a matmul of its third layer, on the CPU pool's worker) reaches the
+/// caller; the step's sequence is released (its caches may hold part of the step), and the
+/// other sequences are kept whole: the next step of one gives the logits a fresh model gives.
+#[test]
+fn a_panic_inside_a_step_releases_only_its_sequences() {
+    let opts = ModelOptions { dtype: Some(DType::F32), ..Default::default() };
+    let ckpt = repo().join("testdata/golden/m8/ckpt_f32");
+    let mut m = Model::load(Spy::new(Simd::detect(), false), &ckpt, &opts).unwrap();
+    let ids = [5u32, 9, 14, 3, 7];
+    run_forward(&mut m, 1, &ids[..4], 0, LogitsMode::Last);
+    run_forward(&mut m, 2, &ids[..3], 0, LogitsMode::Last);
+    let b = m.backend();
+    b.panic_at.store(b.matmuls.load(Ordering::Relaxed) + 12, Ordering::Relaxed);
+    let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_forward(&mut m, 2, &ids[3..4], 3, LogitsMode::Last);
+    }));
+    assert!(hit.is_err(), "the planned panic must reach the caller");
+    assert_eq!(m.seq_len(2), None, "the panicking step's sequence must be released");
+    assert_eq!(m.seq_len(1), Some(4), "another sequence must survive a step it was not in");
+    m.backend().panic_at.store(usize::MAX, Ordering::Relaxed);
+    let next = run_forward(&mut m, 1, &ids[4..], 4, LogitsMode::Last);
+    let mut fresh = Model::load(Spy::new(Simd::detect(), false), &ckpt, &opts).unwrap();
+    let want = run_forward(&mut fresh, 1, &ids, 0, LogitsMode::Last);
+    let diff = next.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-4, "the surviving sequence's next logits differ from a fresh model's by {diff}");
 }
