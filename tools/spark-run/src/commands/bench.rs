@@ -36,7 +36,8 @@ pub struct BenchArgs {
     #[arg(short = 'n', long, default_value_t = 128)]
     pub n_gen: usize,
     /// Run both tests after this many tokens already in the cache (prefilled untimed, in steps
-    /// of --ubatch or 512): llama-bench's -d; the tests are then named "pp512 @ d4096".
+    /// of --ubatch or 512): llama-bench's -d; the tests are then named "pp512 @ d4096". The
+    /// bytes-per-token and roofline columns still count the weights only, not the cache read.
     #[arg(short = 'd', long, default_value_t = 0)]
     pub depth: usize,
     /// Repetitions.
