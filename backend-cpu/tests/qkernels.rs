@@ -927,7 +927,10 @@ fn bench_decode_stream() {
         other => panic!("QBENCH_FORMAT: int4 or int8, not {other}"),
     };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-    let (m, k) = (2048, 2048);
+    let (m, k) = std::env::var("QBENCH_MK").map_or((2048, 2048), |v| {
+        let (m, k) = v.split_once('x').expect("QBENCH_MK: MxK");
+        (m.parse().expect("QBENCH_MK: M"), k.parse().expect("QBENCH_MK: K"))
+    });
     let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
     let q = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
     let qs = QSimd::detect();

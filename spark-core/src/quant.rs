@@ -26,8 +26,10 @@
 //! its VNNI level up): 5 bits per weight for the int4 matrices at group 32 (4.5 at 64, 4.25 at
 //! 128) and 8 for the head (per-row scales stay f32). The int4 steps of each row's 256-column
 //! super-block are moreover `k * u` with one power of two `u` and integers `k <= 255`
-//! ([`SUPER_COLS`]): exact f16 values, so nothing else changes, and a kernel may sum a
-//! super-block in integers;
+//! ([`SUPER_COLS`]), and its biases `k * v` with another power of two `v` and integers
+//! `|k| <= 127` ([`bias_unit`]; each grid pair then refined one unit either way for the least
+//! squared error): exact f16 values, so nothing else changes, and a kernel may sum a
+//! super-block in integers or read a byte per group for each side;
 //! the head gate `g_proj` stays as stored. Checkpoints written before this (symmetric
 //! int4 groups without bias, an int4 head) still load: the reader takes each tensor as stored.
 //! [`quantize_planned`] / [`quantize_tensor_planned`] quantize to any [`QPlan`] (symmetric int4
@@ -485,13 +487,31 @@ fn quantize_rows(
             for sb in fits.chunks_mut((SUPER_COLS / group).max(1)) {
                 snap_steps(sb);
             }
+            // Their offsets refitted to the snapped steps, then the biases snapped to the
+            // super-block's own grid ([`snap_biases`]) before any integer is chosen.
+            let mut grid_bias = Vec::new();
+            if sub {
+                for (g, fit) in fits.iter_mut().enumerate() {
+                    *fit = refit_offset(&row[g * group..(g + 1) * group], *fit);
+                    grid_bias.push(i4_asym_sides(*fit, half).1);
+                }
+                for sb in grid_bias.chunks_mut(SUPER_COLS / group) {
+                    snap_biases(sb);
+                }
+            }
             for (g, s_out) in srow.iter_mut().enumerate() {
                 let x = &row[g * group..(g + 1) * group];
                 *s_out = match format {
                     QFormat::I8 => quantize_group_i8(x, &mut qs, half),
                     QFormat::I4 if plan.bias => {
-                        let fit = if sub { refit_offset(x, fits[g]) } else { fit_i4_asym(x) };
-                        let (s, b) = quantize_group_i4_asym(x, fit, &mut qs, half);
+                        let (s, b) = if sub {
+                            let s = i4_asym_sides(fits[g], half).0;
+                            let (su, bu) = grid_units(&srow_steps(&fits, g, group), &grid_bias, g, group);
+                            best_on_grid(x, s, grid_bias[g], su, bu)
+                        } else {
+                            i4_asym_sides(fit_i4_asym(x), half)
+                        };
+                        quantize_group_i4_with(x, s, b, &mut qs);
                         brow[g] = b;
                         s
                     }
@@ -808,6 +828,83 @@ fn snap_steps(fits: &mut [(f32, f32)]) {
     }
 }
 
+/// The smallest power of two `u >= 2^-24` with `|b| / u <= 127` for a super-block's largest
+/// bias magnitude `bmax` (so `k u`, `|k| <= 127`, is an exact f16 value).
+pub fn bias_unit(bmax: f32) -> f32 {
+    let mut u = 2f32.powi(((bmax / 127.0).log2().ceil() as i32).max(-24));
+    while bmax / u > 127.0 {
+        u *= 2.0;
+    }
+    u
+}
+
+/// Snap one super-block's stored biases to `k * u` ([`bias_unit`] of the largest magnitude, `k`
+/// the nearest integer in -127..=127): each moves by at most `u / 2 <= max|b| / 127`, before its
+/// group's integers are chosen. A backend may then hold a byte per group and a power of two per
+/// super-block (the CPU's VNNI level does).
+fn snap_biases(bias: &mut [f32]) {
+    let bmax = bias.iter().fold(0.0f32, |a, b| a.max(b.abs()));
+    if bmax <= 0.0 || !bmax.is_finite() {
+        return;
+    }
+    let u = bias_unit(bmax);
+    for b in bias.iter_mut() {
+        *b = (*b / u).round().clamp(-127.0, 127.0) * u;
+    }
+}
+
+/// The steps of the super-block holding group `g` (groups of `group` columns).
+fn srow_steps(fits: &[(f32, f32)], g: usize, group: usize) -> Vec<f32> {
+    let per = SUPER_COLS / group;
+    fits[g / per * per..((g / per + 1) * per).min(fits.len())].iter().map(|f| f.0).collect()
+}
+
+/// The step and bias units of the super-block holding group `g`: [`super_unit`] of its largest
+/// step, [`bias_unit`] of its largest bias magnitude.
+fn grid_units(steps: &[f32], bias: &[f32], g: usize, group: usize) -> (f32, f32) {
+    let per = SUPER_COLS / group;
+    let sb = &bias[g / per * per..((g / per + 1) * per).min(bias.len())];
+    let dmax = steps.iter().fold(0.0f32, |a, &v| a.max(v));
+    let bmax = sb.iter().fold(0.0f32, |a, b| a.max(b.abs()));
+    (if dmax > 0.0 { super_unit(dmax) } else { 0.0 }, if bmax > 0.0 { bias_unit(bmax) } else { 0.0 })
+}
+
+/// The grid pair `(scale, bias)` nearest `(s, b)` (one unit either way of each, inside the
+/// grids' ranges: `k <= 255` steps of `su`, `|k| <= 127` of `bu`) with the least squared error
+/// for the group's nearest integers.
+fn best_on_grid(x: &[f32], s: f32, b: f32, su: f32, bu: f32) -> (f32, f32) {
+    let err = |s: f32, b: f32| -> f32 {
+        if s == 0.0 {
+            return x.iter().map(|&v| (v - b) * (v - b)).sum();
+        }
+        let inv = 1.0 / s;
+        x.iter()
+            .map(|&v| {
+                let e = v - (s * rint((v - b) * inv).clamp(-8.0, 7.0) + b);
+                e * e
+            })
+            .sum()
+    };
+    let mut best = (err(s, b), s, b);
+    for ds in [-1.0f32, 0.0, 1.0] {
+        for db in [-1.0f32, 0.0, 1.0] {
+            let (s2, b2) = (s + ds * su, b + db * bu);
+            if (ds == 0.0 && db == 0.0)
+                || s2 < 0.0
+                || (su > 0.0 && s2 / su > 255.0)
+                || (bu > 0.0 && (b2 / bu).abs() > 127.0)
+            {
+                continue;
+            }
+            let e = err(s2, b2);
+            if e < best.0 {
+                best = (e, s2, b2);
+            }
+        }
+    }
+    (best.1, best.2)
+}
+
 /// The least-squares offset `m` for a fixed step `d` (the integers chosen for `(d, m)`, `m`
 /// refitted, twice): after [`snap_steps`] moved `d`.
 fn refit_offset(x: &[f32], (d, mut m): (f32, f32)) -> (f32, f32) {
@@ -826,17 +923,35 @@ fn refit_offset(x: &[f32], (d, mut m): (f32, f32)) -> (f32, f32) {
 /// minus the zero point) and returns `(scale, bias)` of the stored form `scale * q + bias = d *
 /// l + m`, i.e. `scale = d`, `bias = m + 8 d`. With `half`, both are rounded to f16 first and
 /// the integers chosen for the rounded pair (nearest to each value).
-fn quantize_group_i4_asym(x: &[f32], (d, m): (f32, f32), q: &mut [i8], half: bool) -> (f32, f32) {
-    let (s, b) = (side_value(d, half), side_value(m + 8.0 * d, half));
+#[cfg(test)]
+fn quantize_group_i4_asym(x: &[f32], fit: (f32, f32), q: &mut [i8], half: bool) -> (f32, f32) {
+    let (s, b) = i4_asym_sides(fit, half);
+    quantize_group_i4_with(x, s, b, q);
+    (s, b)
+}
+
+/// The stored `(scale, bias)` of a fitted `(d, m)`: `(d, m + 8 d)`, or `(0, m)` for a constant
+/// group (`d == 0`), each rounded to f16 with `half`.
+fn i4_asym_sides((d, m): (f32, f32), half: bool) -> (f32, f32) {
+    let s = side_value(d, half);
+    if s == 0.0 {
+        (0.0, side_value(m, half))
+    } else {
+        (s, side_value(m + 8.0 * d, half))
+    }
+}
+
+/// The integers `q` (`l - 8`, nearest to each value) of one asymmetric int4 group stored as
+/// `scale * q + bias`; all 0 for a zero scale.
+fn quantize_group_i4_with(x: &[f32], s: f32, b: f32, q: &mut [i8]) {
     if s == 0.0 {
         q.fill(0);
-        return (0.0, side_value(m, half));
+        return;
     }
     let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
         *o = rint((v - b) * inv).clamp(-8.0, 7.0) as i8;
     }
-    (s, b)
 }
 
 /// Signal-to-noise ratio in dB of `test` against `reference`: `10 log10(sum ref^2 / sum (ref -
@@ -1053,11 +1168,14 @@ mod tests {
             assert!((a - b).abs() < 1e-6, "{a} -> {b}");
         }
         // Groups of 32 also snap their step to 8 significant bits ([`snap_steps`]: at most 2^-8
-        // of it, over 15 levels, the offset refitted): within 1/32 of a step.
+        // of it, over 15 levels, the offset refitted) and their bias to the super-block's grid
+        // ([`snap_biases`]: at most half its unit): within 1/32 of a step plus half that unit.
         let q = quantize("w", 1, 64, &y, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
         let step = 2.0 / 15.0;
+        let bmax = q.bias.as_ref().unwrap().iter().fold(0.0f32, |a, b| a.max(b.abs()));
+        let tol = step / 32.0 + bias_unit(bmax) / 2.0;
         for (a, b) in y.iter().zip(q.dequantize()) {
-            assert!((a - b).abs() < step / 32.0, "{a} -> {b}");
+            assert!((a - b).abs() < tol, "{a} -> {b}");
         }
     }
 
@@ -1114,8 +1232,9 @@ mod tests {
     }
 
     /// Asymmetric int4 groups shorter than a super-block: each super-block's steps are `k u`
-    /// with one power of two `u` ([`super_unit`] of the largest) and integers `k <= 255`, and
-    /// the fidelity stays within 0.5 dB of the unconstrained per-group fit.
+    /// with one power of two `u` ([`super_unit`] of the largest) and integers `k <= 255`, its
+    /// biases `k u` with `|k| <= 127` ([`bias_unit`]), and the fidelity stays within 0.5 dB of
+    /// the unconstrained per-group fit.
     #[test]
     fn int4_steps_share_a_power_of_two_unit_per_super_block() {
         let (r, c) = (6, 768);
@@ -1133,6 +1252,19 @@ mod tests {
                     assert!((v / u).fract() == 0.0 && is_f16_exact(v), "g{g} super-block {i}: {v} is not k * {u}");
                 }
             }
+            // The biases likewise: `k u` with `|k| <= 127`, `u` the power of two of the largest.
+            let bias = q.bias.as_ref().unwrap();
+            let mut spread = 0usize;
+            for (i, sb) in bias.chunks(SUPER_COLS / g).enumerate() {
+                let bmax = sb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let u = bias_unit(bmax);
+                assert!(u.log2().fract() == 0.0 && bmax / u <= 127.0 && (bmax == 0.0 || bmax / u > 63.0), "g{g} {i}");
+                for &v in sb {
+                    assert!((v / u).fract() == 0.0 && is_f16_exact(v), "g{g} super-block {i}: bias {v} is not k * {u}");
+                }
+                spread += usize::from(sb.iter().any(|&v| v != sb[0]));
+            }
+            assert!(spread > 0, "g{g}: the biases must not all be equal");
             let mut free = vec![0.0f32; r * c];
             let mut qs = vec![0i8; g];
             for (xg, yg) in x.chunks(g).zip(free.chunks_mut(g)) {
