@@ -321,6 +321,73 @@ fn avx2_level_holds_sub_scaled_int4_with_f16_sides() {
     assert!(!QMat::has_sub_scale_form(&int8) && QMat::for_level(&int8, QSimd::Avx2).sub_scales().is_none());
 }
 
+/// The VNNI level holds `spark-run quantize`'s int4 sides on grids (a byte per group for the
+/// scale and for the bias, a byte per super-block for each unit): every token count gives the
+/// bits of the same matrix with f16 sides, 4.5625 bits are read per weight instead of 5, and
+/// the other levels given such a matrix still match the f64 reference. Sides off the grid (old
+/// checkpoints' biases, GGUF Q4_K) and partial super-blocks keep f16 / f32.
+#[test]
+fn vnni_level_holds_int4_sides_on_grids() {
+    use spark_core::quant::{quantize, QuantSpec};
+    let mut seed = 91u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    // 39 rows: tiles of 4 rows and single-row tails; 768 columns: three super-blocks.
+    let (rows, cols) = (39usize, 768usize);
+    let vals: Vec<f32> =
+        (0..rows * cols).map(|i| unit(&mut seed) * 0.03 * (1.0 + (i / 96 % 5) as f32) + 0.01).collect();
+    let qt = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+    assert!(QMat::has_grid_form(&qt));
+    let grid = QMat::for_level(&qt, QSimd::Avx512Vnni);
+    let (sg, bg) = (grid.scales().grid().expect("scale grid"), grid.bias().and_then(|b| b.grid()).expect("bias grid"));
+    assert!(!sg.signed && bg.signed);
+    assert!(bg.k.iter().any(|&k| (k as i8) < 0) && bg.k.iter().any(|&k| (k as i8) > 0), "biases of both signs");
+    let ng = cols / 32;
+    assert_eq!(grid.decode_bytes(), rows * (cols / 2 + 2 * ng + 2 * ng / 8));
+    let half = QMat::with_sides(&qt, true);
+    assert!(half.half_sides() && half.scales().grid().is_none());
+    assert_eq!(half.decode_bytes(), rows * (cols / 2 + 4 * ng));
+    // The same values: every scale and bias (a bias of -0 comes back as +0).
+    for i in 0..rows * ng {
+        assert_eq!(grid.scales().get(i), qt.scales[i], "scale {i}");
+        assert_eq!(grid.bias().unwrap().get(i), qt.bias.as_ref().unwrap()[i], "bias {i}");
+    }
+    for n in [1usize, 2, 3, 4, 5, 7, 16, 33] {
+        let x = random_x(n, cols, &mut seed);
+        let act = QAct::quantize(&x, n, cols, &half);
+        let deq = qt.dequantize();
+        let (want, mag) = f64_reference(&deq, &act, rows, cols);
+        for qs in levels() {
+            let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+            pool.install(|| qmatmul(qs, &x, n, cols, &grid, &mut a, DType::F32));
+            assert_matches_reference(&a, &want, &mag, || format!("grid sides at {qs:?}, n={n}"));
+            if qs == QSimd::Avx512Vnni {
+                pool.install(|| qmatmul(qs, &x, n, cols, &half, &mut b, DType::F32));
+                let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "grid vs f16 sides at the VNNI level, n={n}: {a:?} vs {b:?}");
+            }
+        }
+    }
+    if QSimd::detect() < QSimd::Avx512Vnni {
+        eprintln!("skipped: the VNNI grid kernel (this CPU has no AVX-512 VNNI); grids checked on the other levels");
+    }
+    // Biases off the grid (a checkpoint quantized before the bias grid): f16 sides.
+    let mut old = qt.clone();
+    let mut b = old.bias.as_ref().unwrap().to_vec();
+    b[5] += b[5].abs().max(1e-3) * 2f32.powi(-6);
+    b[5] = half::f16::from_f32(b[5]).to_f32();
+    old.bias = Some(Arc::new(b));
+    let m = QMat::for_level(&old, QSimd::Avx512Vnni);
+    assert!(m.scales().grid().is_none() && m.half_sides(), "an off-grid bias keeps f16 sides");
+    assert!(!QMat::has_grid_form(&old));
+    // A partial last super-block (cols not a multiple of 256): f16 sides.
+    let qp = quantize("w", 5, 320, &vals[..5 * 320], QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+    assert!(QMat::for_level(&qp, QSimd::Avx512Vnni).scales().grid().is_none());
+    // Other levels never build grids.
+    for qs in [QSimd::Portable, QSimd::Avx2, QSimd::AmxInt8] {
+        assert!(QMat::for_level(&qt, qs).scales().grid().is_none(), "{qs:?}");
+    }
+}
+
 /// The AVX2 int4 prefill on panels ([`qprefill_avx2`]): int4 in groups of 32 with super-block
 /// steps (what `spark-run quantize` writes), with and without biases, f32 and f16 sides; row
 /// counts that leave a partial panel, partial last super-blocks, token counts that

@@ -36,7 +36,7 @@ use rayon::prelude::*;
 use spark_core::quant::QFormat;
 use spark_core::DType;
 
-use super::qmatmul::{QAct, QMat, ScaleMode, Side, QBLOCK, QCHUNK};
+use super::qmatmul::{Grid, QAct, QMat, ScaleMode, Side, QBLOCK, QCHUNK};
 use super::{Prefetcher, QSimd, SharedOut};
 
 /// The most tokens [`matmul`] takes. Beyond it the AMX BF16 kernel on dequantized tiles is
@@ -448,6 +448,8 @@ unsafe fn block16(
                 let loaded = match scales {
                     Side::F32(s) => _mm512_maskz_loadu_ps(sp.mask, s[at..].as_ptr()),
                     Side::F16(s) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sp.mask, s[at..].as_ptr().cast())),
+                    // Not built at this level (`QMat::for_level`); read value by value if given.
+                    Side::Grid(g) => grid_lanes(g, at, sp.mask),
                 };
                 *v = _mm512_permutexvar_ps(idx, loaded);
             }
@@ -479,6 +481,21 @@ unsafe fn block16(
     }
 }
 
+/// Values `at + l` of a [`Grid`] in the lanes `l` of `mask` (zero elsewhere).
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn grid_lanes(g: &Grid, at: usize, mask: __mmask16) -> __m512 {
+    let mut t = [0.0f32; 16];
+    for (l, v) in t.iter_mut().enumerate() {
+        if mask >> l & 1 == 1 {
+            *v = g.get(at + l);
+        }
+    }
+    _mm512_loadu_ps(t.as_ptr())
+}
+
 /// `sum_i b[at + i] * a[i]` for `i < n` on 16-lane vectors (the bias term).
 ///
 /// # Safety
@@ -493,6 +510,7 @@ unsafe fn dot(b: &Side, at: usize, n: usize, a: &[f32]) -> f32 {
         let bv = match b {
             Side::F32(v) => _mm512_maskz_loadu_ps(m, v.as_ptr().add(at + i)),
             Side::F16(v) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, v.as_ptr().add(at + i).cast())),
+            Side::Grid(g) => grid_lanes(g, at + i, m),
         };
         acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a.as_ptr().add(i)), bv, acc);
         i += 16;

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{ScaleMode, SideEl, TileArgs, QBLOCK, QCHUNK};
+use super::qmatmul::{Grid, ScaleMode, SideEl, TileArgs, QBLOCK, QCHUNK, SUPER_BLOCKS};
 
 /// How a weight format yields the 64 unsigned bytes of a chunk.
 trait Fmt {
@@ -100,6 +100,8 @@ const I4_LANE_SCALE: Floats = Floats {
 trait Scale {
     /// One scale for the whole row, applied after the sum (`sv` is then unused).
     const ROW: bool = false;
+    /// Scales and biases on [`Grid`]s ([`GridPair`]: the tile reads them itself, `sv` unused).
+    const GRID: bool = false;
     /// Whether `sv` gathers several scales per chunk (extra registers).
     const WIDE_SCALES: bool = false;
     unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512;
@@ -175,6 +177,31 @@ impl Scale for Quad {
     }
 }
 
+/// One scale per 32-block from a [`Grid`] (`spark-run quantize`'s int4 at the VNNI level):
+/// the tile converts a super-block's eight `k` once per row (`k * 2^e`, exactly the f16 scales'
+/// values) and spreads a chunk's two with one permute; the biases' term likewise
+/// ([`TileArgs::grid_bias_term`]).
+struct GridPair;
+
+impl Scale for GridPair {
+    const GRID: bool = true;
+    const WIDE_SCALES: bool = true;
+    #[inline(always)]
+    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
+        _mm512_setzero_ps()
+    }
+}
+
+/// A super-block's eight scales `k * 2^e` in lanes 0-7 (from the row's `k` at `k`).
+///
+/// # Safety
+/// Eight readable bytes at `k`; AVX2 (inlined into the tile).
+#[inline(always)]
+unsafe fn grid_scales(k: *const u8, e: i8) -> __m512 {
+    let kv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(k as *const __m128i));
+    _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(kv), _mm256_set1_ps(Grid::unit(e))))
+}
+
 #[repr(C)]
 union Idx {
     a: [i32; 16],
@@ -198,15 +225,37 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nc);
     let [ps, pb] = a.side_prefetchers(R, nc);
+    let [pe, pbe] =
+        if S::GRID { a.grid_prefetchers(R, nc) } else { [super::Prefetcher::none(), super::Prefetcher::none()] };
+    // With grids: each row's scales of the current super-block (lanes 0-7).
+    let mut s8 = [_mm512_setzero_ps(); R];
+    let nsb = a.ng / SUPER_BLOCKS;
     for c in 0..nc {
         pf.step(c);
         ps.step(c);
         pb.step(c);
         let mut wv = [_mm512_setzero_si512(); R];
         let mut sv = [_mm512_setzero_ps(); R];
+        let idx = if S::GRID {
+            pe.step(c);
+            pbe.step(c);
+            let j = c % (SUPER_BLOCKS / 2);
+            if j == 0 {
+                let sb = c / (SUPER_BLOCKS / 2);
+                for r in 0..R {
+                    s8[r] = grid_scales(a.s.add(r * a.ng + sb * SUPER_BLOCKS), *a.sexp.add(r * nsb + sb));
+                }
+            }
+            // This chunk's two blocks: lanes 0-7 from `k[2j]`, 8-15 from `k[2j + 1]`.
+            _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32))
+        } else {
+            _mm512_setzero_si512()
+        };
         for r in 0..R {
             wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
-            if !S::ROW {
+            if S::GRID {
+                sv[r] = _mm512_permutexvar_ps(idx, s8[r]);
+            } else if !S::ROW {
                 sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
             }
         }
@@ -229,24 +278,27 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             if S::ROW {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term::<E>(r, t, false);
+            out[r][t] += if S::GRID { a.grid_bias_term(r, t) } else { a.bias_term::<E>(r, t, false) };
         }
     }
     out
 }
 
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 rows x up to
-/// 4 tokens (3 for int4 with per-block scales); scales and biases f16 when `half`, else f32.
+/// 4 tokens (3 for int4 with per-block scales); scales and biases on [`Grid`]s when `grid`
+/// (int4, [`ScaleMode::Pair`]), else f16 when `half`, else f32.
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI and F16C; `args(r, t)` describes packed row `r` and token `t` of matching
 /// buffers for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type
-/// `half` says; `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
+/// `grid` and `half` say (with `grid`, `ng` a multiple of 8 and the exponents set);
+/// `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
     fmt: QFormat,
     mode: ScaleMode,
     half: bool,
+    grid: bool,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -259,6 +311,11 @@ pub(crate) unsafe fn rows_tokens<'a>(
         ($f:ty, $s:ty) => {
             super::by_side!(half, run::<$f, $s>(args, r0, r1, t0, nt, tmp, ld))
         };
+    }
+    if grid {
+        assert!(fmt == QFormat::I4 && mode == ScaleMode::Pair, "grid sides are int4 in pairs of blocks");
+        // The element type is unused: the grid tiles read their own sides.
+        return run::<I4, GridPair, f32>(args, r0, r1, t0, nt, tmp, ld);
     }
     match (fmt, mode) {
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),

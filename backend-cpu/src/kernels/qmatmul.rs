@@ -233,6 +233,82 @@ pub enum Side {
     /// values (our own files, GGUF Q8_0 / Q4_0), else to within 2^-11 of them (GGUF K-quant
     /// products `d * sc`).
     F16(Vec<u16>),
+    /// A byte per value and a power of two per row and super-block ([`Grid`]): what the VNNI
+    /// level holds of `spark-run quantize`'s int4 ([`QMat::for_level`]).
+    Grid(Grid),
+}
+
+/// Values `k * 2^e` with one exponent `e` per row and super-block ([`SUPER_BLOCKS`] groups) and
+/// integers `k` in a byte: `0..=255` (scales) or `-127..=127` (biases, `signed`). `spark-run
+/// quantize` writes its int4 scales and biases on such grids ([`spark_core::quant::super_unit`],
+/// [`spark_core::quant::bias_unit`]): 1 byte per group instead of f16's 2, and each value comes
+/// back exactly (a small integer times a power of two).
+pub struct Grid {
+    /// `[rows, ng]`: `k` (the bits of an `i8` when `signed`).
+    pub k: Vec<u8>,
+    /// `[rows, ng / 8]`: `e`.
+    pub exp: Vec<i8>,
+    pub ng: usize,
+    pub signed: bool,
+}
+
+impl Grid {
+    /// `vals` (`[rows, ng]`, `ng` a multiple of [`SUPER_BLOCKS`]) on such a grid, or `None` where
+    /// a super-block's values are not integer multiples, within the byte's range, of the power
+    /// of two its largest magnitude needs (or a scale is negative, or a value not finite).
+    pub fn new(vals: &[f32], ng: usize, signed: bool) -> Option<Grid> {
+        if ng == 0 || !ng.is_multiple_of(SUPER_BLOCKS) || !vals.len().is_multiple_of(ng) {
+            return None;
+        }
+        let kmax = if signed { 127.0 } else { 255.0 };
+        let mut k = vec![0u8; vals.len()];
+        let mut exp = vec![0i8; vals.len() / SUPER_BLOCKS];
+        let ok = k.par_chunks_mut(SUPER_BLOCKS).zip(exp.par_iter_mut()).zip(vals.par_chunks(SUPER_BLOCKS)).all(
+            |((ks, e), sb)| {
+                let mut vmax = 0.0f32;
+                for &v in sb {
+                    if !v.is_finite() || (!signed && v < 0.0) {
+                        return false;
+                    }
+                    vmax = vmax.max(v.abs());
+                }
+                if vmax == 0.0 {
+                    return true;
+                }
+                // The smallest power of two `u >= 2^-24` with `vmax / u <= kmax`.
+                let mut ex = ((vmax / kmax).log2().ceil() as i32).max(-24);
+                while vmax / 2f32.powi(ex) > kmax {
+                    ex += 1;
+                }
+                if ex > 127 {
+                    return false;
+                }
+                *e = ex as i8;
+                let u = Grid::unit(*e);
+                sb.iter().zip(ks.iter_mut()).all(|(&v, kv)| {
+                    let q = v / u;
+                    let ok = q == q.round() && q.abs() <= kmax;
+                    *kv = if signed { q as i8 as u8 } else { q as u8 };
+                    ok
+                })
+            },
+        );
+        ok.then_some(Grid { k, exp, ng, signed })
+    }
+
+    /// `2^e` (a normal f32: `-24 <= e <= 127`).
+    #[inline(always)]
+    pub fn unit(e: i8) -> f32 {
+        f32::from_bits(((e as i32 + 127) as u32) << 23)
+    }
+
+    /// Value `i` (`[rows, ng]` order).
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        let (r, g) = (i / self.ng, i % self.ng);
+        let k = if self.signed { self.k[i] as i8 as f32 } else { self.k[i] as f32 };
+        k * Grid::unit(self.exp[r * (self.ng / SUPER_BLOCKS) + g / SUPER_BLOCKS])
+    }
 }
 
 impl Side {
@@ -267,6 +343,15 @@ impl Side {
         match self {
             Side::F32(v) => v[i],
             Side::F16(v) => half::f16::from_bits(v[i]).to_f32(),
+            Side::Grid(g) => g.get(i),
+        }
+    }
+
+    /// The grid, when held so.
+    pub fn grid(&self) -> Option<&Grid> {
+        match self {
+            Side::Grid(g) => Some(g),
+            _ => None,
         }
     }
 
@@ -276,6 +361,11 @@ impl Side {
         match self {
             Side::F32(v) => out.copy_from_slice(&v[i..i + out.len()]),
             Side::F16(v) => v[i..i + out.len()].reinterpret_cast::<half::f16>().convert_to_f32_slice(out),
+            Side::Grid(g) => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = g.get(i + j);
+                }
+            }
         }
     }
 
@@ -284,6 +374,7 @@ impl Side {
         match self {
             Side::F32(v) => (v.as_ptr().cast(), 4),
             Side::F16(v) => (v.as_ptr().cast(), 2),
+            Side::Grid(g) => (g.k.as_ptr(), 1),
         }
     }
 
@@ -291,6 +382,7 @@ impl Side {
         match self {
             Side::F32(v) => v.len(),
             Side::F16(v) => v.len(),
+            Side::Grid(g) => g.k.len(),
         }
     }
 
@@ -303,6 +395,7 @@ impl Side {
         match self {
             Side::F32(v) => 4 * v.len(),
             Side::F16(v) => 2 * v.len(),
+            Side::Grid(g) => g.k.len() + g.exp.len(),
         }
     }
 }
@@ -375,9 +468,14 @@ impl QMat {
     /// are then held as f16 when that is exact (every value an f16 value, as
     /// [`QTensor::half_sides`] tests: our own files, whose sides are f16): a decode step reads
     /// 4.875 bits per weight instead of 6, with results bit for bit those of f32 sides.
-    /// Otherwise (GGUF Q4_K's products `d * sc`) they stay f32: 5.375 bits.
+    /// Otherwise (GGUF Q4_K's products `d * sc`) they stay f32: 5.375 bits. At the VNNI level
+    /// (not AMX) int4 whose scales and biases lie on power-of-two grids holds them as
+    /// [`Grid`]s ([`QMat::with_grid_sides`]).
     pub fn for_level(q: &QTensor, qs: QSimd) -> QMat {
         let m = Self::with_sides(q, qs >= QSimd::Avx512Vnni);
+        if qs == QSimd::Avx512Vnni {
+            return m.with_grid_sides(q);
+        }
         if qs != QSimd::Avx2 {
             return m;
         }
@@ -480,6 +578,42 @@ impl QMat {
             self.sub = Some(SubScales { k, unit });
         }
         self
+    }
+
+    /// The same matrix with its scales and biases on [`Grid`]s when both have that form (int4 in
+    /// groups of 32 without column padding, whole super-blocks: what `spark-run quantize`
+    /// writes), else unchanged. The VNNI kernels read a byte per group for each and a byte per
+    /// super-block (4.56 bits per weight instead of 5 with f16 sides) and get the same f32
+    /// values, so the same results bit for bit. The VNNI level builds them
+    /// ([`QMat::for_level`]); the AMX INT8 tiles and the AVX2 kernels do not read them.
+    pub fn with_grid_sides(mut self, q: &QTensor) -> QMat {
+        if self.format != QFormat::I4 || self.mode != ScaleMode::Pair || !self.ng.is_multiple_of(SUPER_BLOCKS) {
+            return self;
+        }
+        let Some(scales) = Grid::new(&q.scales, self.ng, false) else {
+            return self;
+        };
+        let bias = match &q.bias {
+            None => None,
+            Some(b) => match Grid::new(b, self.ng, true) {
+                Some(g) => Some(Side::Grid(g)),
+                None => return self,
+            },
+        };
+        (self.scales, self.bias) = (Side::Grid(scales), bias);
+        self
+    }
+
+    /// Whether [`QMat::with_grid_sides`] would hold `q`'s sides on grids, without repacking it.
+    pub fn has_grid_form(q: &QTensor) -> bool {
+        let ng = q.cols / QBLOCK;
+        QMat::supports(q)
+            && q.format == QFormat::I4
+            && q.group == QBLOCK
+            && q.cols.is_multiple_of(SUPER_BLOCKS * QBLOCK)
+            && q.scales.len() == q.rows * ng
+            && Grid::new(&q.scales, ng, false).is_some()
+            && q.bias.as_ref().is_none_or(|b| Grid::new(b, ng, true).is_some())
     }
 
     /// Whether [`QMat::with_sub_scales`] would build sub-scales for `q` (int4 in groups of 32, no
@@ -901,6 +1035,11 @@ pub(crate) struct TileArgs<'a> {
     /// 8` rounded up apart), or null: [`SubScales`], for the AVX2 super-block kernel.
     pub k: *const u8,
     pub unit: *const f32,
+    /// With [`Grid`] sides (`s` and `b` then point at the tile's first row's `k` bytes): that
+    /// row's exponents of the scales' and the biases' grids (`ng / 8` apart; the biases' null
+    /// without biases), else null.
+    pub sexp: *const i8,
+    pub bexp: *const i8,
     /// How many packed rows after the tile's own (they exist in `w`) to prefetch while it runs
     /// (0: none); see [`super::Prefetcher`].
     pub next_rows: usize,
@@ -929,6 +1068,49 @@ impl TileArgs<'_> {
             Prefetcher::none()
         };
         [scales, bias]
+    }
+
+    /// The prefetch of the next rows' grid exponents (scales', biases'), as
+    /// [`TileArgs::side_prefetchers`] does for their bytes.
+    pub fn grid_prefetchers(&self, tile_rows: usize, n: usize) -> [Prefetcher; 2] {
+        let (nsb, nr) = (self.ng / SUPER_BLOCKS, self.next_rows);
+        let at = |p: *const i8| {
+            if p.is_null() {
+                Prefetcher::none()
+            } else {
+                Prefetcher::rows(p.cast(), nsb, tile_rows, nr, n)
+            }
+        };
+        [at(self.sexp), at(self.bexp)]
+    }
+
+    /// Row `r`'s (of the tile) bias term for token `t` with [`Grid`] biases: the same sum, in the
+    /// same order and with the same f32 values, as [`TileArgs::bias_term`] without `zero8` on
+    /// f16 biases of the same values (`ng` a multiple of 8).
+    ///
+    /// # Safety
+    /// `r` and `t` are inside the tile; `b` and `bexp` point at `Grid` biases (or `b` is null);
+    /// AVX2 and FMA (inlined into the kernels, which enable them).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub unsafe fn grid_bias_term(&self, r: usize, t: usize) -> f32 {
+        use std::arch::x86_64::*;
+        if self.b.is_null() {
+            return 0.0;
+        }
+        // SAFETY: the caller's row has `ng` bias bytes and `ng / 8` exponents, its token `ng`
+        // group sums.
+        unsafe {
+            let (k, e, a) =
+                (self.b.add(r * self.ng), self.bexp.add(r * (self.ng / SUPER_BLOCKS)), self.ga.add(t * self.ng));
+            let mut acc = _mm256_setzero_ps();
+            for i in (0..self.ng).step_by(8) {
+                let kv = _mm256_cvtepi8_epi32(_mm_loadl_epi64(k.add(i) as *const __m128i));
+                let w = _mm256_mul_ps(_mm256_cvtepi32_ps(kv), _mm256_set1_ps(Grid::unit(*e.add(i / 8))));
+                acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.add(i)), acc);
+            }
+            hsum8(acc)
+        }
     }
 
     /// Row `r`'s (of the tile) bias term for token `t`: `sum_g bias[r, g] * A[t, g]`, 0 without
@@ -977,15 +1159,29 @@ impl TileArgs<'_> {
                 };
                 acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.add(i)), acc);
             }
-            let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let mut sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+            let mut sum = hsum8(acc);
             for i in n8..self.ng {
                 let bias = if nob { 0.0 } else { E::get(b, i) };
                 sum += (z * s1(i) + bias) * *a.add(i);
             }
             sum
         }
+    }
+}
+
+/// The sum of the eight lanes (the bias terms' order: halves, then pairs, then the last two).
+///
+/// # Safety
+/// AVX (inlined into the kernels, which enable it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum8(acc: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    // SAFETY: register operations only; AVX (caller).
+    unsafe {
+        let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)))
     }
 }
 
@@ -1179,6 +1375,7 @@ pub(super) fn rows_tokens(
     // The super-block kernel needs activations with one scale per super-block.
     let sums = act.span == SUPER_BLOCKS && qs == QSimd::Avx2 && w.sums_super_blocks();
     let sub = w.sub.as_ref();
+    let (sgrid, bgrid) = (w.scales.grid(), w.bias.as_ref().and_then(|b| b.grid()));
     let args = |r: usize, t: usize| TileArgs {
         w: w.packed()[r * rb..].as_ptr(),
         row_bytes: rb,
@@ -1194,6 +1391,8 @@ pub(super) fn rows_tokens(
         kp: w.kp,
         k: sub.map_or(std::ptr::null(), |s| s.k[r * ng..].as_ptr()),
         unit: sub.map_or(std::ptr::null(), |s| s.unit[r * ng.div_ceil(SUPER_BLOCKS)..].as_ptr()),
+        sexp: sgrid.map_or(std::ptr::null(), |g| g.exp[r * (ng / SUPER_BLOCKS)..].as_ptr()),
+        bexp: bgrid.map_or(std::ptr::null(), |g| g.exp[r * (ng / SUPER_BLOCKS)..].as_ptr()),
         next_rows: 0,
     };
     let ld = r1 - r0;
@@ -1201,7 +1400,7 @@ pub(super) fn rows_tokens(
     let half = w.half_sides();
     match qs {
         #[cfg(target_arch = "x86_64")]
-        QSimd::Avx2 => {
+        QSimd::Avx2 if sgrid.is_none() => {
             // SAFETY: QSimd::Avx2 (clamped to the detected level) implies AVX2, FMA and F16C;
             // every tile's rows and tokens are inside `w` and `act`, its scales and biases `ng`
             // per row of `side_bytes` each (f16 exactly when `half`); with `sums`, the
@@ -1214,8 +1413,12 @@ pub(super) fn rows_tokens(
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx512Vnni | QSimd::AmxInt8 => {
             // SAFETY: QSimd::Avx512Vnni or above (clamped to the detected level) implies AVX-512F/BW/VNNI
-            // and AVX2/FMA/F16C; tiles as above.
-            unsafe { super::qavx512::rows_tokens(w.format, w.mode, half, &args, r0, r1, t0, nt, tmp, ld) }
+            // and AVX2/FMA/F16C; tiles as above; with `sgrid`, scales and biases are `Grid`s
+            // (int4, `ScaleMode::Pair`, whole super-blocks: `QMat::with_grid_sides`) and the
+            // tiles' `s`, `b`, `sexp` and `bexp` point into them.
+            unsafe {
+                super::qavx512::rows_tokens(w.format, w.mode, half, sgrid.is_some(), &args, r0, r1, t0, nt, tmp, ld)
+            }
         }
         _ => {
             for i in 0..nt {

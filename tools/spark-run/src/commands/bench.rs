@@ -147,6 +147,21 @@ pub struct Holding {
     /// as those integers (a byte per group, an f32 unit per super-block) and the biases, never
     /// the scales (the CPU backend's AVX2 level: `QMat::for_level`).
     pub sub_scales: bool,
+    /// int4 in groups of 32 whose scales and biases lie on power-of-two grids (what `spark-run
+    /// quantize` writes), rows a multiple of 256 columns, read as a byte per group for each and
+    /// a byte per super-block for each unit (the CPU backend's VNNI level: `QMat::for_level`).
+    pub grid_sides: bool,
+}
+
+/// How a backend that holds f16 sides and no sub-scales or grids holds quantized matrices.
+pub const PLAIN_HOLDING: Holding = Holding { f16_sides: true, sub_scales: false, grid_sides: false };
+
+/// Bytes of a `[rows, cols]` int4 matrix in groups of 32 with its sides on grids
+/// ([`Holding::grid_sides`]): the values, `k` of the scales and of the biases, and an exponent
+/// per super-block for each.
+fn grid_bytes(rows: usize, cols: usize, bias: bool) -> usize {
+    let (ng, sides) = (cols / 32, 1 + usize::from(bias));
+    rows * (cols / 2 + sides * (ng + ng / 8))
 }
 
 /// Bytes of a `[rows, cols]` int4 matrix in groups of 32 read through its sub-scales
@@ -184,6 +199,10 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
     let sub_plan = |p: &QPlan, cols: usize| {
         hold.sub_scales && p.format == QFormat::I4 && p.group == 32 && p.bias && cols.is_multiple_of(64)
     };
+    // The same with grids: whole super-blocks.
+    let grid_plan = |p: &QPlan, cols: usize| {
+        hold.grid_sides && p.format == QFormat::I4 && p.group == 32 && p.bias && cols.is_multiple_of(256)
+    };
     let gguf = if is_gguf(path) { Some(GgufFile::open(path)?) } else { None };
     let (n_layers, weights) = match &gguf {
         Some(f) => (f.config()?.n_layers, None),
@@ -210,6 +229,8 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
                 note(plan.label(cols));
                 if sub_plan(&plan, cols) {
                     sub_scaled_bytes(rows, cols, 2)
+                } else if grid_plan(&plan, cols) {
+                    (grid_bytes(rows, cols, true), 0)
                 } else {
                     (plan.nbytes_served(rows, cols, f16_sides), 0)
                 }
@@ -251,6 +272,8 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
                     note(plan.label(q.cols));
                     if sub_plan(&plan, q.cols) && cpu_sub_scale_form(q) {
                         sub_scaled_bytes(q.rows, q.cols, if q.half_sides() { 2 } else { 4 })
+                    } else if grid_plan(&plan, q.cols) && cpu_grid_form(q) {
+                        (grid_bytes(q.rows, q.cols, true), 0)
                     } else {
                         (q.nbytes_served(f16_sides), 0)
                     }
@@ -281,12 +304,24 @@ fn argmax(v: &[f32]) -> usize {
 #[cfg(feature = "cpu")]
 pub fn cpu_holding() -> Holding {
     use backend_cpu::kernels::{qmatmul::QMat, QSimd};
-    Holding { f16_sides: QMat::f16_sides_pay(), sub_scales: QSimd::detect() == QSimd::Avx2 }
+    let qs = QSimd::detect();
+    Holding { f16_sides: QMat::f16_sides_pay(), sub_scales: qs == QSimd::Avx2, grid_sides: qs == QSimd::Avx512Vnni }
 }
 
 #[cfg(not(feature = "cpu"))]
 pub fn cpu_holding() -> Holding {
-    Holding { f16_sides: true, sub_scales: false }
+    PLAIN_HOLDING
+}
+
+/// Whether the CPU backend's VNNI level would hold `q`'s sides on grids.
+#[cfg(feature = "cpu")]
+fn cpu_grid_form(q: &spark_core::quant::QTensor) -> bool {
+    backend_cpu::kernels::qmatmul::QMat::has_grid_form(q)
+}
+
+#[cfg(not(feature = "cpu"))]
+fn cpu_grid_form(_q: &spark_core::quant::QTensor) -> bool {
+    false
 }
 
 /// Whether the CPU backend would read `q` through integer sub-scales.
@@ -348,7 +383,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
     let quant = load::quant(&a.model)?;
-    let hold = if info.backend == "cpu" { cpu_holding() } else { Holding { f16_sides: true, sub_scales: false } };
+    let hold = if info.backend == "cpu" { cpu_holding() } else { PLAIN_HOLDING };
     let WeightPlan { read: bytes_per_token, precision, .. } = weight_plan(&l.dir, quant, info.dtype.name(), hold)?;
     // The measured ceiling is host memory: meaningful for the CPU backend only (a GPU's HBM
     // roofline comes from its specification; see docs/BENCHMARKS.md).
@@ -534,5 +569,18 @@ mod tests {
         assert_eq!(super::sub_scaled_bytes(rows, cols, 2), (m.decode_bytes(), m.scales().nbytes()));
         // 4.875 bits per weight, against 6 with f32 scales and biases.
         assert_eq!(8 * m.decode_bytes(), rows * cols * 39 / 8);
+    }
+
+    /// The same for the VNNI level's grids: 4.5625 bits per weight.
+    #[test]
+    fn grid_bytes_are_what_the_vnni_level_reads() {
+        let (rows, cols) = (24, 2048);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.4) * 0.04).collect();
+        let q = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        assert!(QMat::has_grid_form(&q));
+        let m = QMat::for_level(&q, QSimd::Avx512Vnni);
+        assert!(m.scales().grid().is_some());
+        assert_eq!(super::grid_bytes(rows, cols, true), m.decode_bytes());
+        assert_eq!(16 * m.decode_bytes(), rows * cols * 73 / 8);
     }
 }
