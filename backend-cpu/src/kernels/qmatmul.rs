@@ -235,7 +235,7 @@ pub enum Side {
     F16(Vec<u16>),
     /// A byte per value and a power of two per row and super-block ([`Grid`]): what the VNNI
     /// level holds of `spark-run quantize`'s int4 ([`QMat::for_level`]).
-    Grid(Grid),
+    Grid(Box<Grid>),
 }
 
 /// Values `k * 2^e` with one exponent `e` per row and super-block ([`SUPER_BLOCKS`] groups) and
@@ -596,11 +596,11 @@ impl QMat {
         let bias = match &q.bias {
             None => None,
             Some(b) => match Grid::new(b, self.ng, true) {
-                Some(g) => Some(Side::Grid(g)),
+                Some(g) => Some(Side::Grid(Box::new(g))),
                 None => return self,
             },
         };
-        (self.scales, self.bias) = (Side::Grid(scales), bias);
+        (self.scales, self.bias) = (Side::Grid(Box::new(scales)), bias);
         self
     }
 
