@@ -847,6 +847,18 @@ fn bench_kernels() {
                     let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, wk, &mut out, DType::F32));
                     report("AVX2 sub-scales", s, *bytes);
                 }
+                // The same with its sides on grids, at the VNNI level.
+                if sub.is_some() && half && QSimd::detect() >= QSimd::Avx512Vnni {
+                    let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
+                    let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
+                    let (wh, wg) = (QMat::with_sides(&qk, true), QMat::for_level(&qk, QSimd::Avx512Vnni));
+                    if wg.scales().grid().is_some() {
+                        let s = time(&mut || qmatmul(QSimd::Avx512Vnni, &x, n, k, &wh, &mut out, DType::F32));
+                        report("VNNI, quantize's f16 sides", s, wh.decode_bytes());
+                        let s = time(&mut || qmatmul(QSimd::Avx512Vnni, &x, n, k, &wg, &mut out, DType::F32));
+                        report("VNNI, quantize's grid sides", s, wg.decode_bytes());
+                    }
+                }
                 #[cfg(target_arch = "x86_64")]
                 let (pbytes, wp) = sub.as_ref().map_or((qt.nbytes(), &w), |(b, wk)| (*b, wk));
                 #[cfg(target_arch = "x86_64")]
@@ -1001,10 +1013,13 @@ fn bench_decode_stream() {
     let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
     let q = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
     let qs = QSimd::detect();
-    let one = QMat::for_level(&q, qs);
+    // QBENCH_SIDES=f16: the sides as f16 whatever the level would hold (grids at VNNI).
+    let f16_sides = std::env::var("QBENCH_SIDES").is_ok_and(|v| v == "f16");
+    let hold = || if f16_sides { QMat::with_sides(&q, true) } else { QMat::for_level(&q, qs) };
+    let one = hold();
     let bytes = one.decode_bytes();
     let copies = (mb << 20).div_ceil(bytes);
-    let mats: Vec<QMat> = (0..copies).map(|_| QMat::for_level(&q, qs)).collect();
+    let mats: Vec<QMat> = (0..copies).map(|_| hold()).collect();
     let x = random_x(1, k, &mut seed);
     let mut out = vec![0.0f32; m];
     // The best of 7 passes over all the copies.
@@ -1042,10 +1057,11 @@ fn bench_decode_stream() {
         });
     }
     eprintln!(
-        "{qs:?}, {threads} threads{}, {copies} x {m}x{k} {format} (sub-scales: {}, {:.2} bits per weight read): \
+        "{qs:?}, {threads} threads{}, {copies} x {m}x{k} {format} (sub-scales: {}, grids: {}, {:.2} bits per weight read): \
          {:.1} GB/s, {:.1} us per matrix",
         if std::env::var_os("QBENCH_SPLIT").is_some() { " (split)" } else { "" },
         one.sub_scales().is_some(),
+        one.scales().grid().is_some(),
         (bytes * 8) as f64 / (m * k) as f64,
         (bytes * copies) as f64 / best * 1e-9,
         best / copies as f64 * 1e6

@@ -224,50 +224,56 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let pf = a.prefetcher(R, nc);
-    let [ps, pb] = a.side_prefetchers(R, nc);
+    // With grids the sides' prefetches go once per super-block (a byte per group: 8 per row).
+    let per = if S::GRID { SUPER_BLOCKS / 2 } else { 1 };
+    let [ps, pb] = a.side_prefetchers(R, nc / per);
     let [pe, pbe] =
-        if S::GRID { a.grid_prefetchers(R, nc) } else { [super::Prefetcher::none(), super::Prefetcher::none()] };
-    // With grids: each row's scales of the current super-block (lanes 0-7).
+        if S::GRID { a.grid_prefetchers(R, nc / per) } else { [super::Prefetcher::none(), super::Prefetcher::none()] };
+    // With grids: each row's scales of the current super-block (lanes 0-7), converted once
+    // per super-block; the chunks go a super-block at a time (a constant count, unrolled, so
+    // each chunk's permute index is a constant).
     let mut s8 = [_mm512_setzero_ps(); R];
     let nsb = a.ng / SUPER_BLOCKS;
-    for c in 0..nc {
-        pf.step(c);
-        ps.step(c);
-        pb.step(c);
-        let mut wv = [_mm512_setzero_si512(); R];
-        let mut sv = [_mm512_setzero_ps(); R];
-        let idx = if S::GRID {
-            pe.step(c);
-            pbe.step(c);
-            let j = c % (SUPER_BLOCKS / 2);
-            if j == 0 {
-                let sb = c / (SUPER_BLOCKS / 2);
-                for r in 0..R {
-                    s8[r] = grid_scales(a.s.add(r * a.ng + sb * SUPER_BLOCKS), *a.sexp.add(r * nsb + sb));
-                }
-            }
-            // This chunk's two blocks: lanes 0-7 from `k[2j]`, 8-15 from `k[2j + 1]`.
-            _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32))
-        } else {
-            _mm512_setzero_si512()
-        };
-        for r in 0..R {
-            wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
-            if S::GRID {
-                sv[r] = _mm512_permutexvar_ps(idx, s8[r]);
-            } else if !S::ROW {
-                sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
+    for c0 in (0..nc).step_by(per) {
+        if S::GRID {
+            let sb = c0 / per;
+            ps.step(sb);
+            pb.step(sb);
+            pe.step(sb);
+            pbe.step(sb);
+            for r in 0..R {
+                s8[r] = grid_scales(a.s.add(r * a.ng + sb * SUPER_BLOCKS), *a.sexp.add(r * nsb + sb));
             }
         }
-        for t in 0..T {
-            let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
-            let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
-            let dv = F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)));
-            let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
+        for j in 0..per {
+            let c = c0 + j;
+            pf.step(c);
+            if !S::GRID {
+                ps.step(c);
+                pb.step(c);
+            }
+            let mut wv = [_mm512_setzero_si512(); R];
+            let mut sv = [_mm512_setzero_ps(); R];
+            // With grids, this chunk's two blocks: lanes 0-7 from `k[2j]`, 8-15 from `k[2j + 1]`.
+            let idx = _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32));
             for r in 0..R {
-                let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
-                let scale = if S::ROW { dv } else { _mm512_mul_ps(sv[r], dv) };
-                acc[r][t] = _mm512_fmadd_ps(p, scale, acc[r][t]);
+                wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
+                if S::GRID {
+                    sv[r] = _mm512_permutexvar_ps(idx, s8[r]);
+                } else if !S::ROW {
+                    sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
+                }
+            }
+            for t in 0..T {
+                let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
+                let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
+                let dv = F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)));
+                let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
+                for r in 0..R {
+                    let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
+                    let scale = if S::ROW { dv } else { _mm512_mul_ps(sv[r], dv) };
+                    acc[r][t] = _mm512_fmadd_ps(p, scale, acc[r][t]);
+                }
             }
         }
     }
