@@ -351,6 +351,26 @@ fn vnni_level_holds_int4_sides_on_grids() {
         assert_eq!(grid.scales().get(i), qt.scales[i], "scale {i}");
         assert_eq!(grid.bias().unwrap().get(i), qt.bias.as_ref().unwrap()[i], "bias {i}");
     }
+    // In runs that start and end inside super-blocks and rows, and the rows dequantized.
+    for (side, want) in [(grid.scales(), &qt.scales), (grid.bias().unwrap(), qt.bias.as_ref().unwrap())] {
+        let mut at = 0;
+        for len in [5usize, 13, 1, 40, 7].iter().cycle() {
+            let len = (*len).min(rows * ng - at);
+            let mut got = vec![0.0f32; len];
+            side.get_into(at, &mut got);
+            assert_eq!(got, want[at..at + len], "get_into({at}, {len})");
+            at += len;
+            if at == rows * ng {
+                break;
+            }
+        }
+    }
+    let (mut dg, mut dh) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+    for r in 0..rows {
+        grid.dequant_f32(r, 0, &mut dg);
+        half.dequant_f32(r, 0, &mut dh);
+        assert_eq!(dg, dh, "row {r} dequantized");
+    }
     for n in [1usize, 2, 3, 4, 5, 7, 16, 33] {
         let x = random_x(n, cols, &mut seed);
         let act = QAct::quantize(&x, n, cols, &half);

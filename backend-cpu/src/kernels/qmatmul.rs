@@ -302,6 +302,24 @@ impl Grid {
         f32::from_bits(((e as i32 + 127) as u32) << 23)
     }
 
+    /// Values `i..i + out.len()` (`[rows, ng]` order): a unit per super-block, then `k * u`.
+    pub fn get_into(&self, i: usize, out: &mut [f32]) {
+        let nsb = self.ng / SUPER_BLOCKS;
+        let mut j = 0;
+        while j < out.len() {
+            let (r, g) = ((i + j) / self.ng, (i + j) % self.ng);
+            let n = (SUPER_BLOCKS - g % SUPER_BLOCKS).min(out.len() - j);
+            let u = Grid::unit(self.exp[r * nsb + g / SUPER_BLOCKS]);
+            let (ks, os) = (&self.k[i + j..i + j + n], &mut out[j..j + n]);
+            if self.signed {
+                os.iter_mut().zip(ks).for_each(|(o, &k)| *o = k as i8 as f32 * u);
+            } else {
+                os.iter_mut().zip(ks).for_each(|(o, &k)| *o = k as f32 * u);
+            }
+            j += n;
+        }
+    }
+
     /// Value `i` (`[rows, ng]` order).
     #[inline]
     pub fn get(&self, i: usize) -> f32 {
@@ -361,11 +379,7 @@ impl Side {
         match self {
             Side::F32(v) => out.copy_from_slice(&v[i..i + out.len()]),
             Side::F16(v) => v[i..i + out.len()].reinterpret_cast::<half::f16>().convert_to_f32_slice(out),
-            Side::Grid(g) => {
-                for (j, o) in out.iter_mut().enumerate() {
-                    *o = g.get(i + j);
-                }
-            }
+            Side::Grid(g) => g.get_into(i, out),
         }
     }
 
