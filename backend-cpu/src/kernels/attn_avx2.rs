@@ -16,8 +16,8 @@
 
 use std::arch::x86_64::*;
 
-use super::attn_avx512::KvEl;
 use super::avx2::hsum;
+use super::KvEl;
 
 /// `out[j] = q . k_j` for the keys `keys[j]` (`d` values each, `d % 32 == 0`).
 ///

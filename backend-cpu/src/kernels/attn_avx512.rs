@@ -19,42 +19,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::hsum;
-
-/// A key / value element the tile loops read: f32, or bf16 bits (`u16`).
-pub trait KvEl: Copy {
-    /// 16 values from `p` as f32 (exact).
-    ///
-    /// # Safety
-    /// AVX-512F; `p` holds 16 elements.
-    unsafe fn load16(p: *const Self) -> __m512;
-    /// 8 values from `p` as f32 (exact).
-    ///
-    /// # Safety
-    /// AVX2; `p` holds 8 elements.
-    unsafe fn load8(p: *const Self) -> __m256;
-}
-
-impl KvEl for f32 {
-    #[inline(always)]
-    unsafe fn load16(p: *const f32) -> __m512 {
-        _mm512_loadu_ps(p)
-    }
-    #[inline(always)]
-    unsafe fn load8(p: *const f32) -> __m256 {
-        _mm256_loadu_ps(p)
-    }
-}
-
-impl KvEl for u16 {
-    #[inline(always)]
-    unsafe fn load16(p: *const u16) -> __m512 {
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
-    }
-    #[inline(always)]
-    unsafe fn load8(p: *const u16) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
-    }
-}
+use super::KvEl;
 
 /// `out[j] = q . k_j` for the keys `keys[j]` (`d` values each, `d % 32 == 0`).
 ///

@@ -308,6 +308,48 @@ impl SharedOut {
     }
 }
 
+/// A key / value element the attention tile loops ([`attn_avx512`], [`attn_avx2`]) read: f32,
+/// or bf16 bits (`u16`).
+#[cfg(target_arch = "x86_64")]
+pub trait KvEl: Copy {
+    /// 16 values from `p` as f32 (exact).
+    ///
+    /// # Safety
+    /// AVX-512F; `p` holds 16 elements.
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// 8 values from `p` as f32 (exact).
+    ///
+    /// # Safety
+    /// AVX2; `p` holds 8 elements.
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl KvEl for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl KvEl for u16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+    }
+    #[inline(always)]
+    unsafe fn load8(p: *const u16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+    }
+}
+
 /// A row of weights in its stored type.
 #[derive(Clone, Copy)]
 pub enum Row<'a> {
