@@ -489,14 +489,16 @@ fn quantize_rows(
             }
             // Their offsets refitted to the snapped steps, then the biases snapped to the
             // super-block's own grid ([`snap_biases`]) before any integer is chosen.
-            let mut grid_bias = Vec::new();
+            let (mut grid_bias, mut units) = (Vec::new(), Vec::new());
             if sub {
                 for (g, fit) in fits.iter_mut().enumerate() {
                     *fit = refit_offset(&row[g * group..(g + 1) * group], *fit);
                     grid_bias.push(i4_asym_sides(*fit, half).1);
                 }
-                for sb in grid_bias.chunks_mut(SUPER_COLS / group) {
+                let per = SUPER_COLS / group;
+                for (sb, fs) in grid_bias.chunks_mut(per).zip(fits.chunks(per)) {
                     snap_biases(sb);
+                    units.push(grid_units(fs, sb));
                 }
             }
             for (g, s_out) in srow.iter_mut().enumerate() {
@@ -505,9 +507,8 @@ fn quantize_rows(
                     QFormat::I8 => quantize_group_i8(x, &mut qs, half),
                     QFormat::I4 if plan.bias => {
                         let (s, b) = if sub {
-                            let s = i4_asym_sides(fits[g], half).0;
-                            let (su, bu) = grid_units(&srow_steps(&fits, g, group), &grid_bias, g, group);
-                            best_on_grid(x, s, grid_bias[g], su, bu)
+                            let (su, bu) = units[g / (SUPER_COLS / group)];
+                            best_on_grid(x, i4_asym_sides(fits[g], half).0, grid_bias[g], su, bu)
                         } else {
                             i4_asym_sides(fit_i4_asym(x), half)
                         };
@@ -853,19 +854,11 @@ fn snap_biases(bias: &mut [f32]) {
     }
 }
 
-/// The steps of the super-block holding group `g` (groups of `group` columns).
-fn srow_steps(fits: &[(f32, f32)], g: usize, group: usize) -> Vec<f32> {
-    let per = SUPER_COLS / group;
-    fits[g / per * per..((g / per + 1) * per).min(fits.len())].iter().map(|f| f.0).collect()
-}
-
-/// The step and bias units of the super-block holding group `g`: [`super_unit`] of its largest
-/// step, [`bias_unit`] of its largest bias magnitude.
-fn grid_units(steps: &[f32], bias: &[f32], g: usize, group: usize) -> (f32, f32) {
-    let per = SUPER_COLS / group;
-    let sb = &bias[g / per * per..((g / per + 1) * per).min(bias.len())];
-    let dmax = steps.iter().fold(0.0f32, |a, &v| a.max(v));
-    let bmax = sb.iter().fold(0.0f32, |a, b| a.max(b.abs()));
+/// One super-block's step and bias units: [`super_unit`] of its largest step, [`bias_unit`]
+/// of its largest bias magnitude (0 where all are 0).
+fn grid_units(fits: &[(f32, f32)], bias: &[f32]) -> (f32, f32) {
+    let dmax = fits.iter().fold(0.0f32, |a, f| a.max(f.0));
+    let bmax = bias.iter().fold(0.0f32, |a, b| a.max(b.abs()));
     (if dmax > 0.0 { super_unit(dmax) } else { 0.0 }, if bmax > 0.0 { bias_unit(bmax) } else { 0.0 })
 }
 
