@@ -270,9 +270,9 @@ pub fn weight_plan(path: &Path, quant: Option<QuantSpec>, compute: &str, hold: H
                 NamedRef::W(Weight::Quant(q)) => {
                     let plan = QPlan { format: q.format, group: q.group, bias: q.bias.is_some() };
                     note(plan.label(q.cols));
-                    if sub_plan(&plan, q.cols) && cpu_sub_scale_form(q) {
+                    if sub_plan(&plan, q.cols) && cpu_compact_form(q, false) {
                         sub_scaled_bytes(q.rows, q.cols, if q.half_sides() { 2 } else { 4 })
-                    } else if grid_plan(&plan, q.cols) && cpu_grid_form(q) {
+                    } else if grid_plan(&plan, q.cols) && cpu_compact_form(q, true) {
                         (grid_bytes(q.rows, q.cols, true), 0)
                     } else {
                         (q.nbytes_served(f16_sides), 0)
@@ -313,25 +313,20 @@ pub fn cpu_holding() -> Holding {
     PLAIN_HOLDING
 }
 
-/// Whether the CPU backend's VNNI level would hold `q`'s sides on grids.
+/// Whether the CPU backend would read `q`'s sides in a compact form: on grids (`grid`: its VNNI
+/// level) or through integer sub-scales (its AVX2 level).
 #[cfg(feature = "cpu")]
-fn cpu_grid_form(q: &spark_core::quant::QTensor) -> bool {
-    backend_cpu::kernels::qmatmul::QMat::has_grid_form(q)
+fn cpu_compact_form(q: &spark_core::quant::QTensor, grid: bool) -> bool {
+    use backend_cpu::kernels::qmatmul::QMat;
+    if grid {
+        QMat::has_grid_form(q)
+    } else {
+        QMat::has_sub_scale_form(q)
+    }
 }
 
 #[cfg(not(feature = "cpu"))]
-fn cpu_grid_form(_q: &spark_core::quant::QTensor) -> bool {
-    false
-}
-
-/// Whether the CPU backend would read `q` through integer sub-scales.
-#[cfg(feature = "cpu")]
-fn cpu_sub_scale_form(q: &spark_core::quant::QTensor) -> bool {
-    backend_cpu::kernels::qmatmul::QMat::has_sub_scale_form(q)
-}
-
-#[cfg(not(feature = "cpu"))]
-fn cpu_sub_scale_form(_q: &spark_core::quant::QTensor) -> bool {
+fn cpu_compact_form(_q: &spark_core::quant::QTensor, _grid: bool) -> bool {
     false
 }
 
@@ -556,31 +551,23 @@ mod tests {
     use backend_cpu::kernels::{qmatmul::QMat, QSimd};
     use spark_core::quant::{quantize, QFormat, QuantSpec};
 
-    /// The bytes counted for int4 read through sub-scales are what the AVX2 level holds and
-    /// reads of a matrix `spark-run quantize` writes.
+    /// The bytes counted for int4 read through sub-scales (AVX2 level) or on grids (VNNI level)
+    /// are what those levels hold and read of a matrix `spark-run quantize` writes.
     #[test]
-    fn sub_scaled_bytes_are_what_the_avx2_level_reads() {
+    fn compact_side_bytes_are_what_the_levels_read() {
         let (rows, cols) = (24, 2048);
-        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.04).collect();
+        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.4) * 0.04).collect();
         let q = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
-        assert!(QMat::has_sub_scale_form(&q));
+        assert!(QMat::has_sub_scale_form(&q) && QMat::has_grid_form(&q));
         let m = QMat::for_level(&q, QSimd::Avx2);
         assert!(m.sub_scales().is_some() && m.half_sides());
         assert_eq!(super::sub_scaled_bytes(rows, cols, 2), (m.decode_bytes(), m.scales().nbytes()));
         // 4.875 bits per weight, against 6 with f32 scales and biases.
         assert_eq!(8 * m.decode_bytes(), rows * cols * 39 / 8);
-    }
-
-    /// The same for the VNNI level's grids: 4.5625 bits per weight.
-    #[test]
-    fn grid_bytes_are_what_the_vnni_level_reads() {
-        let (rows, cols) = (24, 2048);
-        let vals: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.4) * 0.04).collect();
-        let q = quantize("w", rows, cols, &vals, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
-        assert!(QMat::has_grid_form(&q));
         let m = QMat::for_level(&q, QSimd::Avx512Vnni);
         assert!(m.scales().grid().is_some());
         assert_eq!(super::grid_bytes(rows, cols, true), m.decode_bytes());
+        // 4.5625 bits per weight.
         assert_eq!(16 * m.decode_bytes(), rows * cols * 73 / 8);
     }
 }
