@@ -275,12 +275,11 @@ impl Grid {
                 if vmax == 0.0 {
                     return true;
                 }
-                // The smallest power of two `u >= 2^-24` with `vmax / u <= kmax`.
-                let mut ex = ((vmax / kmax).log2().ceil() as i32).max(-24);
-                while vmax / 2f32.powi(ex) > kmax {
-                    ex += 1;
-                }
-                if ex > 127 {
+                // The unit the quantizer used: the smallest power of two `u >= 2^-24` with
+                // `vmax / u <= kmax`.
+                let u = if signed { spark_core::quant::bias_unit(vmax) } else { spark_core::quant::super_unit(vmax) };
+                let ex = u.log2() as i32;
+                if !(-24..=127).contains(&ex) {
                     return false;
                 }
                 *e = ex as i8;
