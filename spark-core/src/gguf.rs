@@ -9,7 +9,7 @@
 //! - [`GgufFile::weights`]: the tensors -> the same [`ModelWeights`] the safetensors path fills.
 //!   F32/F16/BF16 stay float tensors (used in place from the map); the quantized kinds convert
 //!   losslessly (exact up to the f32 rounding of a product or a sum) to [`QTensor`]s:
-//!   Q8_0/Q8_1 -> int8 group 32, Q8_K -> int8 group 256, Q6_K -> int8 group 16 (`q - 32`),
+//!   Q8_0/Q8_1 -> int8 group 32, Q8_K -> int8 group 256, Q6_K -> int6 group 16 (`q - 32`),
 //!   Q5_0 -> int8 group 32, Q5_1/Q5_K -> int8 group 32 with bias, Q4_0 -> int4 group 32,
 //!   Q4_1/Q4_K -> int4 group 32 with bias, Q3_K -> int4 group 16, Q2_K -> int4 group 16 with
 //!   bias. Other kinds (IQ*, TQ*, MXFP4, ...) are refused by name.
@@ -310,7 +310,7 @@ impl GgmlType {
             7 | 13 => (QFormat::I8, 32, true),
             10 => (QFormat::I4, 16, true),
             11 => (QFormat::I4, 16, false),
-            14 => (QFormat::I8, 16, false),
+            14 => (QFormat::I6, 16, false),
             _ => return None,
         };
         Some(QPlan { format, group, bias })
@@ -871,6 +871,7 @@ impl GgufFile {
                 t.kind.name()
             ))
         })?;
+        let c = held_form(t.kind, c, rows, cols);
         let q = QTensor {
             name: as_name.to_string(),
             format: c.format,
@@ -1215,6 +1216,33 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     } else {
         ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
     }
+}
+
+/// A conversion of `rows` rows of `cols` as the loader holds it ([`GgmlType::served_plan`]):
+/// Q6_K's 6-bit values, converted as int8, become int6 (3/4 of the bytes); the rest as is.
+fn held_form(kind: GgmlType, mut c: Converted, rows: usize, cols: usize) -> Converted {
+    if kind == GgmlType::Q6_K && c.format == QFormat::I8 && cols.is_multiple_of(4) && c.q.len() == rows * cols {
+        int8_rows_to_i6(&mut c.q, rows, cols);
+        c.format = QFormat::I6;
+    }
+    c
+}
+
+/// Q6_K's values as [`convert_blocks`] gives them (int8 `-32..=31`, `rows` rows of `cols`)
+/// repacked in place into int6 rows ([`crate::quant::pack_i6_row`]), one row at a time: row `r`
+/// goes to bytes before `(r + 1) * cols`, where the rows not yet read begin.
+fn int8_rows_to_i6(q: &mut Vec<u8>, rows: usize, cols: usize) {
+    let rb = QFormat::I6.row_bytes(cols);
+    let (mut row, mut out) = (vec![0i8; cols], vec![0u8; rb]);
+    for r in 0..rows {
+        for (d, &v) in row.iter_mut().zip(&q[r * cols..(r + 1) * cols]) {
+            *d = v as i8;
+        }
+        crate::quant::pack_i6_row(&row, &mut out);
+        q[r * rb..(r + 1) * rb].copy_from_slice(&out);
+    }
+    q.truncate(rows * rb);
+    q.shrink_to_fit();
 }
 
 /// [`convert_blocks`] over a whole tensor, on up to one thread per core (large tensors only).
@@ -1677,7 +1705,7 @@ mod tests {
                 _ => unreachable!(),
             };
             assert_eq!(kind.name(), name);
-            let c = convert_blocks(kind, &synth_bytes(kind, f16s)).unwrap();
+            let c = held_form(kind, convert_blocks(kind, &synth_bytes(kind, f16s)).unwrap(), 2, 256);
             let plan = QPlan { format: c.format, group: c.group, bias: c.bias.is_some() };
             assert_eq!(kind.served_plan(), Some(plan), "{name}: served_plan vs the conversion");
             let t = QTensor {

@@ -8,24 +8,29 @@
 //! ```
 //!
 //! - [`QFormat::I8`]: `q` is a signed byte (`zero` = 0). `spark-run quantize --to int8` writes it
-//!   symmetric per output channel (`group == cols`, no bias); GGUF Q8_0 (group 32) and Q6_K
-//!   (group 16) convert to it losslessly.
+//!   symmetric per output channel (`group == cols`, no bias); GGUF Q8_0 (group 32) converts to
+//!   it losslessly.
 //! - [`QFormat::I4`]: `q` is an unsigned nibble 0..=15 (`zero` = 8), two per byte: element `2j`
 //!   of a row in the low nibble of byte `j`, `2j+1` in the high nibble. GGUF Q4_0 and Q4_K
 //!   (whose per-group minimum becomes `bias`) convert to it losslessly.
+//! - [`QFormat::I6`]: `q` is unsigned 0..=63 (`zero` = 32): a row's low nibbles packed as int4's
+//!   (`cols / 2` bytes), then its top two bits four per byte (`cols / 4` bytes, element `4j + i`
+//!   at bits `2i..2i+2` of byte `j`; [`i6_stored`]); rows are a multiple of 4 columns. `--to
+//!   int6` is symmetric in groups of 32 (f16 scales: 6.5 bits per weight); GGUF Q6_K (group 16)
+//!   converts to it losslessly.
 //!
 //! What `--to int4` / `--quant int4` writes ([`QuantSpec::plan`], by tensor name): every matrix
 //! in **asymmetric** int4 groups (32 columns by default; 64 or 128 on request), each with a
 //! scale and a bias fitted by least squares to the group (`fit_i4_asym`: `x ≈ d * l + m`,
 //! `l` in 0..=15, stored as `scale = d`, `bias = m + 8 d`), except the token embedding / output
-//! head (`model.embedding.weight`, `lm_head.weight`), which is **int8 per output channel**, and,
+//! head (`model.embedding.weight`, `lm_head.weight`), which is **int6 in groups of 32**, and,
 //! given the layer count, `q_k_v_proj` and `down_proj` of llama.cpp's Q4_K_M "more bits" layers
-//! ([`more_bits_layer`]), also int8 per output channel. Scales and biases of groups shorter than
-//! the row are rounded to f16 values before the integers are chosen ([`QPlan::half_sides`]), so
-//! they are stored in half the bytes (and read so by backends that gain from it: the CPU from
-//! its VNNI level up): 5 bits per weight for the int4 matrices at group 32 (4.5 at 64, 4.25 at
-//! 128) and 8 for the head (per-row scales stay f32). The int4 steps of each row's 256-column
-//! super-block are moreover `k * u` with one power of two `u` and integers `k <= 255`
+//! ([`more_bits_layer`]), also int6 (older checkpoints hold these in int8 per output channel and
+//! still load). Scales and biases of groups shorter than the row are rounded to f16 values
+//! before the integers are chosen ([`QPlan::half_sides`]), so they are stored in half the bytes
+//! (and read so by backends that gain from it: the CPU from its VNNI level up): 5 bits per
+//! weight for the int4 matrices at group 32 (4.5 at 64, 4.25 at 128) and 6.5 for the int6 ones
+//! (per-row scales stay f32). The int4 steps of each row's 256-column super-block are moreover `k * u` with one power of two `u` and integers `k <= 255`
 //! ([`SUPER_COLS`]), and its biases `k * v` with another power of two `v` and integers
 //! `|k| <= 127` ([`bias_unit`]; each grid pair then refined one unit either way for the least
 //! squared error): exact f16 values, so nothing else changes, and a kernel may sum a
@@ -39,12 +44,13 @@
 //! every kernel is tested against.
 //!
 //! On disk (safetensors written by `spark-run quantize`): the weight keeps its name and holds `q`
-//! (I8 `[rows, cols]`, or U8 `[rows, cols/2]` for int4), `NAME_scale` holds the scales
-//! `[rows, cols/group]` (so the group size is `cols / scale_cols`) and `NAME_bias`, if present,
-//! the biases of the same shape, both F16 where [`QTensor::half_sides`] (F32 otherwise; the
-//! reader takes either, and checkpoints written with f32 group scales still load); `config.json` carries
-//! `"quantization_config": {"quant_method": "spark", "format": "int8"|"int4", "group_size": G, ...}`
-//! (for int4 also `"symmetric": false` and `"modules_in_int8"`, the tensors kept in int8).
+//! (I8 `[rows, cols]`, U8 `[rows, cols/2]` for int4, U8 `[rows, 3 cols/4]` for int6),
+//! `NAME_scale` holds the scales `[rows, cols/group]` (so the group size is `cols / scale_cols`)
+//! and `NAME_bias`, if present, the biases of the same shape, both F16 where
+//! [`QTensor::half_sides`] (F32 otherwise; the reader takes either, and checkpoints written with
+//! f32 group scales still load); `config.json` carries `"quantization_config": {"quant_method":
+//! "spark", "format": "int8"|"int6"|"int4", "group_size": G, ...}` (for int4 also `"symmetric":
+//! false` and `"modules_in_int6"`, the tensors kept in int6).
 
 use std::sync::Arc;
 
@@ -61,6 +67,9 @@ pub enum QFormat {
     I8,
     /// Unsigned 4-bit values with zero point 8, packed two per byte.
     I4,
+    /// Unsigned 6-bit values with zero point 32: a row's low nibbles packed as int4's, then its
+    /// top two bits, four per byte (see the module documentation).
+    I6,
 }
 
 impl QFormat {
@@ -69,14 +78,16 @@ impl QFormat {
         match self {
             QFormat::I8 => "int8",
             QFormat::I4 => "int4",
+            QFormat::I6 => "int6",
         }
     }
-    /// Parse `int8`/`i8`/`q8` or `int4`/`i4`/`q4`.
+    /// Parse `int8`/`i8`/`q8`, `int6`/`i6`/`q6` or `int4`/`i4`/`q4`.
     pub fn parse(s: &str) -> Result<QFormat> {
         match s.to_ascii_lowercase().as_str() {
             "int8" | "i8" | "q8" => Ok(QFormat::I8),
+            "int6" | "i6" | "q6" => Ok(QFormat::I6),
             "int4" | "i4" | "q4" => Ok(QFormat::I4),
-            _ => Err(Error::invalid(format!("unknown quantization '{s}' (expected int8 or int4)"))),
+            _ => Err(Error::invalid(format!("unknown quantization '{s}' (expected int8, int6 or int4)"))),
         }
     }
     /// The value that means 0 before scaling.
@@ -84,6 +95,15 @@ impl QFormat {
         match self {
             QFormat::I8 => 0,
             QFormat::I4 => 8,
+            QFormat::I6 => 32,
+        }
+    }
+    /// The largest stored value minus the zero point (the symmetric range is `-zero..=max`).
+    pub fn max(self) -> i32 {
+        match self {
+            QFormat::I8 => 127,
+            QFormat::I4 => 7,
+            QFormat::I6 => 31,
         }
     }
     /// Bytes of `q` for one row of `cols` values.
@@ -91,8 +111,40 @@ impl QFormat {
         match self {
             QFormat::I8 => cols,
             QFormat::I4 => cols / 2,
+            QFormat::I6 => cols / 2 + cols / 4,
         }
     }
+    /// Columns a row length must be a multiple of (int4: 2 per byte; int6: the top bits 4 per
+    /// byte).
+    pub fn col_multiple(self) -> usize {
+        match self {
+            QFormat::I8 => 1,
+            QFormat::I4 => 2,
+            QFormat::I6 => 4,
+        }
+    }
+}
+
+/// Pack one int6 row: `values` (`-32..=31`, a multiple of 4 of them) into `out`
+/// (`QFormat::I6.row_bytes(values.len())` bytes, overwritten) as [`i6_stored`] reads it.
+pub fn pack_i6_row(values: &[i8], out: &mut [u8]) {
+    let cols = values.len();
+    out.fill(0);
+    for (c, &v) in values.iter().enumerate() {
+        let u = (v as i32 + 32) as u8;
+        out[c / 2] |= (u & 0xF) << (4 * (c % 2));
+        out[cols / 2 + c / 4] |= (u >> 4) << (2 * (c % 4));
+    }
+}
+
+/// Element `c` of an int6 row of `cols` values as stored (`0..=63`, zero point not removed):
+/// the low nibble from the first `cols / 2` bytes (int4's packing), the top two bits from the
+/// `cols / 4` bytes after them (element `4j + i` at bits `2i..2i+2` of byte `j`).
+#[inline]
+pub fn i6_stored(row: &[u8], cols: usize, c: usize) -> u8 {
+    let lo = (row[c / 2] >> (4 * (c & 1))) & 0xF;
+    let hi = (row[cols / 2 + c / 4] >> (2 * (c & 3))) & 3;
+    lo | (hi << 4)
 }
 
 impl std::fmt::Display for QFormat {
@@ -143,7 +195,7 @@ impl QuantSpec {
     pub fn group_for(&self, name: &str, cols: usize) -> Result<usize> {
         let g = match (self.format, self.group) {
             (QFormat::I8, None) => cols,
-            (QFormat::I4, None) => 32,
+            (QFormat::I4 | QFormat::I6, None) => 32,
             (_, Some(g)) => g,
         };
         if g == 0 || !g.is_multiple_of(2) || !cols.is_multiple_of(g) {
@@ -185,6 +237,14 @@ impl QTensor {
         let bad = |what: String| Err(Error::model(format!("quantized tensor '{}': {what}", self.name)));
         if self.group == 0 || !self.cols.is_multiple_of(self.group) || !self.group.is_multiple_of(2) {
             return bad(format!("group {} does not divide the row length {} evenly", self.group, self.cols));
+        }
+        if !self.cols.is_multiple_of(self.format.col_multiple()) {
+            return bad(format!(
+                "{} rows need a multiple of {} columns, not {}",
+                self.format,
+                self.format.col_multiple(),
+                self.cols
+            ));
         }
         let want = self.rows * self.format.row_bytes(self.cols);
         if self.q.as_slice().len() != want {
@@ -237,6 +297,7 @@ impl QTensor {
                 let b = row[c / 2];
                 ((b >> (4 * (c & 1))) & 0xF) as i32 - 8
             }
+            QFormat::I6 => i6_stored(row, self.cols, c) as i32 - 32,
         }
     }
 
@@ -368,7 +429,7 @@ impl QuantSpec {
     /// output channel.
     pub fn plan(&self, name: &str, cols: usize) -> Result<QPlan> {
         if self.format == QFormat::I4 && (is_embedding_or_head(name) || self.more_bits(name)) {
-            return QuantSpec::new(QFormat::I8, None).plan(name, cols);
+            return QuantSpec::new(QFormat::I6, Some(32)).plan(name, cols);
         }
         let group = self.group_for(name, cols)?;
         Ok(QPlan { format: self.format, group, bias: self.format == QFormat::I4 })
@@ -421,6 +482,13 @@ fn check_plan(name: &str, cols: usize, plan: QPlan) -> Result<()> {
     }
     if plan.bias && plan.format != QFormat::I4 {
         return Err(Error::invalid(format!("cannot quantize '{name}': only int4 groups carry a bias")));
+    }
+    let m = plan.format.col_multiple();
+    if !cols.is_multiple_of(m) {
+        return Err(Error::invalid(format!(
+            "cannot quantize '{name}' to {}: its rows of {cols} columns are not a multiple of {m}",
+            plan.format
+        )));
     }
     Ok(())
 }
@@ -478,6 +546,8 @@ fn quantize_rows(
             let row = &values[r * cols..(r + 1) * cols];
             let mut qs = vec![0i8; group];
             qrow.fill(0);
+            // int6 values of the whole row, packed at the end.
+            let mut i6row = vec![0i8; if format == QFormat::I6 { cols } else { 0 }];
             // Asymmetric int4 groups of f16 sides, several per super-block: every group's
             // least-squares fit first, then the steps snapped to the super-block's grid.
             let sub =
@@ -516,15 +586,19 @@ fn quantize_rows(
                         brow[g] = b;
                         s
                     }
-                    QFormat::I4 => quantize_group_i4(x, &mut qs, half),
+                    QFormat::I4 | QFormat::I6 => quantize_group_sym(x, &mut qs, half, format),
                 };
                 for (j, &v) in qs.iter().enumerate() {
                     let c = g * group + j;
                     match format {
                         QFormat::I8 => qrow[c] = v as u8,
                         QFormat::I4 => qrow[c / 2] |= ((v as i32 + 8) as u8) << (4 * (c % 2)),
+                        QFormat::I6 => i6row[c] = v,
                     }
                 }
+            }
+            if format == QFormat::I6 {
+                pack_i6_row(&i6row, qrow);
             }
         },
     );
@@ -638,10 +712,11 @@ fn quantize_group_i8(x: &[f32], q: &mut [i8], half: bool) -> f32 {
     s
 }
 
-fn err_i4(x: &[f32], s: f32) -> f32 {
+/// The squared error of symmetric integers `lo..=hi` times `s` for `x`.
+fn err_sym(x: &[f32], s: f32, lo: f32, hi: f32) -> f32 {
     let inv = 1.0 / s;
     let e = |v: f32| {
-        let d = v - s * rint(v * inv).clamp(-8.0, 7.0);
+        let d = v - s * rint(v * inv).clamp(lo, hi);
         d * d
     };
     // Eight partial sums, so the compiler can vectorise the loop (a single float sum cannot be
@@ -656,34 +731,40 @@ fn err_i4(x: &[f32], s: f32) -> f32 {
     it.remainder().iter().map(|&v| e(v)).sum::<f32>() + acc.iter().sum::<f32>()
 }
 
-fn quantize_group_i4(x: &[f32], q: &mut [i8], half: bool) -> f32 {
+/// Symmetric int4 (`-8..=7`) or int6 (`-32..=31`) for one group: the scale is searched among
+/// `max|x| / d` for `d` from a little below to a little above the largest integer (int4: 6.0 to
+/// 8.5 in steps of 1/8; int6: 28 to 34 in steps of 1/4), then refined once by least squares
+/// for the integers the best one chose. Returns the scale (rounded to f16 with `half`).
+fn quantize_group_sym(x: &[f32], q: &mut [i8], half: bool, format: QFormat) -> f32 {
+    let (lo, hi) = (-(format.zero() as f32), format.max() as f32);
+    let (d0, d1, step) = if format == QFormat::I6 { (28.0f32, 34.0, 0.25) } else { (6.0f32, 8.5, 0.125) };
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         q.fill(0);
         return 0.0;
     }
-    let mut best = (f32::INFINITY, amax / 7.0);
-    let mut d = 6.0f32;
-    while d <= 8.5 {
+    let mut best = (f32::INFINITY, amax / hi);
+    let mut d = d0;
+    while d <= d1 {
         let s = amax / d;
-        let e = err_i4(x, s);
+        let e = err_sym(x, s, lo, hi);
         if e < best.0 {
             best = (e, s);
         }
-        d += 0.125;
+        d += step;
     }
     // One least-squares refinement of the scale for the integers the best scale chose.
     let s0 = best.1;
     let (mut num, mut den) = (0.0f64, 0.0f64);
     for &v in x {
-        let qi = rint(v / s0).clamp(-8.0, 7.0) as f64;
+        let qi = rint(v / s0).clamp(lo, hi) as f64;
         num += v as f64 * qi;
         den += qi * qi;
     }
     if den > 0.0 {
         let s1 = (num / den) as f32;
         if s1 > 0.0 && s1.is_finite() {
-            let e1 = err_i4(x, s1);
+            let e1 = err_sym(x, s1, lo, hi);
             if e1 < best.0 {
                 best = (e1, s1);
             }
@@ -696,7 +777,7 @@ fn quantize_group_i4(x: &[f32], q: &mut [i8], half: bool) -> f32 {
     }
     let inv = 1.0 / s;
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = rint(v * inv).clamp(-8.0, 7.0) as i8;
+        *o = rint(v * inv).clamp(lo, hi) as i8;
     }
     s
 }
@@ -986,6 +1067,41 @@ mod tests {
         assert!(snr_db(&x, &y) > 35.0);
     }
 
+    /// int6: symmetric `-32..=31` per group, packed as the low nibbles (int4's order) then the
+    /// top two bits four to a byte; every value on its nearest integer.
+    #[test]
+    fn int6_groups_and_packing() {
+        let (r, c) = (3, 128);
+        let x = ramp(r, c);
+        let q = quantize("w", r, c, &x, QuantSpec::new(QFormat::I6, None)).unwrap();
+        assert_eq!((q.format, q.group, q.bias.is_none()), (QFormat::I6, 32, true));
+        assert_eq!(q.q.as_slice().len(), r * 96);
+        assert!(q.half_sides());
+        let y = q.dequantize();
+        for row in 0..r {
+            let qrow = q.q_row(row);
+            for col in 0..c {
+                let s = q.scales[row * 4 + col / 32];
+                let v = q.qval(row, col);
+                assert!((-32..=31).contains(&v));
+                // The packing, bit by bit.
+                let lo = (qrow[col / 2] >> (4 * (col % 2))) & 15;
+                let hi = (qrow[64 + col / 4] >> (2 * (col % 4))) & 3;
+                assert_eq!((lo | hi << 4) as i32 - 32, v);
+                // The nearest integer on the group's grid (the scale search may clip the
+                // largest magnitude to 31 or -32).
+                let e = (x[row * c + col] - y[row * c + col]).abs();
+                let best = (-32..=31).map(|l| (x[row * c + col] - s * l as f32).abs()).fold(f32::MAX, f32::min);
+                assert!(e <= best + 1e-6, "{row} {col}: {e} vs {best}");
+            }
+        }
+        let i4 = quantize("w", r, c, &x, QuantSpec::new(QFormat::I4, Some(32))).unwrap();
+        assert!(snr_db(&x, &y) > snr_db(&x, &i4.dequantize()) + 8.0);
+        // Rows must be a multiple of 4 columns.
+        let e = quantize("w", 1, 66, &ramp(1, 66), QuantSpec::new(QFormat::I6, Some(2))).unwrap_err();
+        assert!(e.message.contains("multiple of 4"), "{}", e.message);
+    }
+
     #[test]
     fn int4_groups_and_packing() {
         let (r, c) = (3, 128);
@@ -1030,17 +1146,18 @@ mod tests {
 
     /// The default group, the embedding / head rule and the plans' sizes.
     #[test]
-    fn int4_plan_keeps_the_head_in_int8() {
+    fn int4_plan_keeps_the_head_in_int6() {
         let i4 = QuantSpec::new(QFormat::I4, None);
         assert_eq!(i4.plan("model.layers.0.mlp.down_proj.weight", 768).unwrap().label(768), "int4-g32+bias");
         for head in ["model.embedding.weight", "lm_head.weight", "model.embed_tokens.weight"] {
             let p = i4.plan(head, 256).unwrap();
-            assert_eq!(p, QPlan { format: QFormat::I8, group: 256, bias: false }, "{head}");
-            assert_eq!(p.label(256), "int8-ch");
-            assert_eq!(p.nbytes(10, 256), 10 * 256 + 4 * 10);
+            assert_eq!(p, QPlan { format: QFormat::I6, group: 32, bias: false }, "{head}");
+            assert_eq!(p.label(256), "int6-g32");
+            // 3/4 of a byte per value and an f16 scale per 32.
+            assert_eq!(p.nbytes(10, 256), 10 * 192 + 2 * 10 * 8);
         }
         let g128 = QuantSpec::new(QFormat::I4, Some(128));
-        assert_eq!(g128.plan("lm_head.weight", 256).unwrap().group, 256);
+        assert_eq!(g128.plan("lm_head.weight", 256).unwrap().group, 32);
         assert_eq!(g128.plan("w", 256).unwrap().nbytes(2, 256), 2 * 128 + 2 * 2 * 2 * 2);
         let i8 = QuantSpec::new(QFormat::I8, None);
         assert_eq!(
@@ -1048,20 +1165,20 @@ mod tests {
             QPlan { format: QFormat::I8, group: 64, bias: false }
         );
         assert!(i8.plan("w", 64).unwrap().label(64) == "int8-ch");
-        // The head of a quantized model comes out int8 per channel.
+        // The head of an int4 model comes out int6 in groups of 32.
         let x = ramp(4, 64);
         let q = quantize("model.embedding.weight", 4, 64, &x, i4).unwrap();
-        assert_eq!((q.format, q.group, q.bias.is_some()), (QFormat::I8, 64, false));
+        assert_eq!((q.format, q.group, q.bias.is_some()), (QFormat::I6, 32, false));
         // A bias on int8 is refused.
         let bad = QPlan { format: QFormat::I8, group: 64, bias: true };
         assert!(quantize_planned("w", 4, 64, &x, bad).unwrap_err().message.contains("bias"));
     }
 
     /// int4's Q4_K_M-style mix: with the layer count, q_k_v_proj and down_proj of llama.cpp's
-    /// more-bits layers are int8 per channel; every other matrix (and every layer without the
-    /// count) stays int4.
+    /// more-bits layers are int6 in groups of 32; every other matrix (and every layer without
+    /// the count) stays int4.
     #[test]
-    fn int4_mix_keeps_the_more_bits_layers_attention_input_and_mlp_output_in_int8() {
+    fn int4_mix_keeps_the_more_bits_layers_attention_input_and_mlp_output_in_int6() {
         // llama.cpp's use_more_bits for 28 layers: 0-2, 24-27, and 5, 8, ..., 23.
         let more: Vec<usize> = (0..28).filter(|&i| more_bits_layer(i, 28)).collect();
         assert_eq!(more, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
@@ -1070,7 +1187,7 @@ mod tests {
         let mix = QuantSpec::new(QFormat::I4, None).for_layers(28);
         let label = |spec: QuantSpec, name: &str| spec.plan(name, 256).unwrap().label(256);
         for i in 0..28 {
-            let want = if more.contains(&i) { "int8-ch" } else { "int4-g32+bias" };
+            let want = if more.contains(&i) { "int6-g32" } else { "int4-g32+bias" };
             for role in ["self_attn.q_k_v_proj", "mlp.down_proj"] {
                 assert_eq!(label(mix, &format!("model.layers.{i}.{role}.weight")), want, "layer {i} {role}");
             }
@@ -1183,6 +1300,7 @@ mod tests {
             QPlan { format: QFormat::I4, group: 32, bias: true },
             QPlan { format: QFormat::I4, group: 64, bias: false },
             QPlan { format: QFormat::I8, group: 32, bias: false },
+            QPlan { format: QFormat::I6, group: 32, bias: false },
         ] {
             let q = quantize_planned("w", r, c, &x, plan).unwrap();
             assert!(q.half_sides(), "{plan:?}");
@@ -1194,8 +1312,8 @@ mod tests {
                     let k = row * (c / plan.group) + col / plan.group;
                     let (s, b) = (q.scales[k], q.bias.as_ref().map_or(0.0, |b| b[k]));
                     let e = (x[row * c + col] - y[row * c + col]).abs();
-                    let lo = if plan.format == QFormat::I8 { -127 } else { -8 };
-                    let hi = if plan.format == QFormat::I8 { 127 } else { 7 };
+                    let lo = if plan.format == QFormat::I8 { -127 } else { -plan.format.zero() };
+                    let hi = plan.format.max();
                     let best =
                         (lo..=hi).map(|l| (x[row * c + col] - (s * l as f32 + b)).abs()).fold(f32::MAX, f32::min);
                     assert!(e <= best + 1e-6 * (1.0 + best), "{plan:?} row {row} col {col}: {e} vs {best}");
@@ -1208,7 +1326,7 @@ mod tests {
                 let (s, b) = match (plan.format, plan.bias) {
                     (QFormat::I8, _) => (quantize_group_i8(xg, &mut qs, false), 0.0),
                     (QFormat::I4, true) => quantize_group_i4_asym(xg, fit_i4_asym(xg), &mut qs, false),
-                    (QFormat::I4, false) => (quantize_group_i4(xg, &mut qs, false), 0.0),
+                    (f, _) => (quantize_group_sym(xg, &mut qs, false, f), 0.0),
                 };
                 assert!(gi < r * c / plan.group);
                 for (o, &l) in yg.iter_mut().zip(&qs) {
@@ -1359,9 +1477,12 @@ mod tests {
     fn scale_search_beats_plain_absmax() {
         let x = ramp(1, 64);
         let mut q = vec![0i8; 64];
-        let s = quantize_group_i4(&x, &mut q, false);
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        assert!(err_i4(&x, s) <= err_i4(&x, amax / 7.0));
+        for f in [QFormat::I4, QFormat::I6] {
+            let s = quantize_group_sym(&x, &mut q, false, f);
+            let (lo, hi) = (-(f.zero() as f32), f.max() as f32);
+            assert!(err_sym(&x, s, lo, hi) <= err_sym(&x, amax / hi, lo, hi), "{f}");
+        }
     }
 
     #[test]

@@ -316,12 +316,23 @@ impl Checkpoint {
         let [rows, cols] = *shape else {
             return Err(Error::model(format!("tensor '{name}' is quantized but is not a matrix ({shape:?})")));
         };
-        let (format, want) =
-            if it.signed { (QFormat::I8, vec![rows, cols]) } else { (QFormat::I4, vec![rows, cols / 2]) };
+        // I8: int8; U8: packed int4 (`cols / 2` bytes per row) or int6 (`3 cols / 4`).
+        let i6 = QFormat::I6.row_bytes(cols);
+        let (format, want) = if it.signed {
+            (QFormat::I8, vec![rows, cols])
+        } else if it.shape == [rows, i6] && cols.is_multiple_of(4) {
+            (QFormat::I6, vec![rows, i6])
+        } else {
+            (QFormat::I4, vec![rows, cols / 2])
+        };
         if it.shape != want {
             return Err(Error::model(format!(
                 "quantized tensor '{name}' ({}) has shape {:?}; a [{rows}, {cols}] matrix needs {want:?}",
-                if it.signed { "I8 = int8" } else { "U8 = packed int4" },
+                if it.signed {
+                    "I8 = int8".to_string()
+                } else {
+                    format!("U8 = packed int4, or int6 as [{rows}, {i6}]")
+                },
                 it.shape
             )));
         }
@@ -585,7 +596,7 @@ pub fn write_weights(path: &Path, weights: &[Weight], metadata: Option<HashMap<S
             Weight::Quant(q) => {
                 let (dt, shape) = match q.format {
                     QFormat::I8 => (StDtype::I8, vec![q.rows, q.cols]),
-                    QFormat::I4 => (StDtype::U8, vec![q.rows, q.cols / 2]),
+                    QFormat::I4 | QFormat::I6 => (StDtype::U8, vec![q.rows, q.format.row_bytes(q.cols)]),
                 };
                 (&q.name, TensorView::new(dt, shape, q.q.as_slice()).map_err(|e| err(&q.name, e))?)
             }

@@ -222,7 +222,7 @@ fn q4_k_m_dequantizes_like_gguf_py() {
         let Weight::Quant(q) = g.weight(name, name).unwrap() else { panic!("{name} should be quantized") };
         let expect = match kind {
             "Q4_K" => (spark_core::quant::QFormat::I4, 32, true),
-            "Q6_K" => (spark_core::quant::QFormat::I8, 16, false),
+            "Q6_K" => (spark_core::quant::QFormat::I6, 16, false),
             _ => unreachable!(),
         };
         assert_eq!((q.format, q.group, q.bias.is_some()), expect, "{name}");

@@ -118,7 +118,7 @@ pub fn open_weights(path: &Path) -> Result<(ModelConfig, ModelWeights)> {
 pub fn quant(args: &ModelArgs) -> Result<Option<QuantSpec>> {
     let Some(f) = args.quant.as_deref() else {
         if let Some(g) = args.quant_group {
-            anyhow::bail!("--quant-group {g} needs --quant int8|int4");
+            anyhow::bail!("--quant-group {g} needs --quant int8|int6|int4");
         }
         return Ok(None);
     };

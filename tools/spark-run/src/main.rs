@@ -52,13 +52,14 @@ pub struct ModelArgs {
     /// Compute dtype: f32, bf16 or f16 (default: the checkpoint's).
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Quantize a float checkpoint's matrices while loading: int8 (per output channel) or int4
-    /// (asymmetric groups, see --quant-group; the tied embedding/head, and q_k_v_proj and
-    /// down_proj of about half the layers as in llama.cpp's Q4_K_M, stay int8). Linked-in
-    /// backends only; `spark-run quantize` writes a quantized checkpoint instead.
+    /// Quantize a float checkpoint's matrices while loading: int8 (per output channel), int6
+    /// (groups of 32) or int4 (asymmetric groups, see --quant-group; the tied embedding/head,
+    /// and q_k_v_proj and down_proj of about half the layers as in llama.cpp's Q4_K_M, in int6).
+    /// Linked-in backends only; `spark-run quantize` writes a quantized checkpoint instead.
     #[arg(long)]
     pub quant: Option<String>,
-    /// Group size for --quant int4 (32, 64 or 128; default 32) or int8 (default: whole row).
+    /// Group size for --quant int4 (32, 64 or 128; default 32), int6 (default 32) or int8
+    /// (default: whole row).
     #[arg(long)]
     pub quant_group: Option<usize>,
 }
@@ -77,7 +78,7 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// Write a Spark-shaped checkpoint with random weights.
     GenRandom(commands::gen_random::GenRandomArgs),
-    /// Write an int8 or int4 quantized copy of a float checkpoint.
+    /// Write an int8, int6 or int4 quantized copy of a float checkpoint.
     Quantize(commands::quantize::QuantizeArgs),
     /// List the backends found (linked in or plugins), their devices and scores, and why any
     /// known one is unusable.

@@ -297,7 +297,7 @@ fn avx2_quantized_prefill_stays_close_to_the_reference() {
 
 /// `quantize` writes int8 / int4 checkpoints that load, stay close to the golden f32 logits
 /// (stated bounds: int8 per channel SNR > 30 dB, asymmetric int4 group 32 > 12.5 dB (observed 14-16) on
-/// this random-weight checkpoint), keep the int4 mix's int8 matrices, and give exactly what
+/// this random-weight checkpoint), keep the int4 mix's int6 matrices, and give exactly what
 /// quantizing at load (`--quant`) gives.
 #[test]
 fn quantize_writes_checkpoints_close_to_the_reference() {
@@ -319,8 +319,8 @@ fn quantize_writes_checkpoints_close_to_the_reference() {
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["quantization_config"]["format"], to);
         if to == "int4" {
-            // The head, and q_k_v_proj / down_proj of the more-bits layers (0, 3, 6, 7 of 8) in int8.
-            let in_int8: Vec<&str> = cfg["quantization_config"]["modules_in_int8"]
+            // The head, and q_k_v_proj / down_proj of the more-bits layers (0, 3, 6, 7 of 8) in int6.
+            let in_int6: Vec<&str> = cfg["quantization_config"]["modules_in_int6"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -331,7 +331,7 @@ fn quantize_writes_checkpoints_close_to_the_reference() {
                 want.push(format!("model.layers.{i}.self_attn.q_k_v_proj.weight"));
                 want.push(format!("model.layers.{i}.mlp.down_proj.weight"));
             }
-            let mut got: Vec<String> = in_int8.iter().map(|s| s.to_string()).collect();
+            let mut got: Vec<String> = in_int6.iter().map(|s| s.to_string()).collect();
             got.sort();
             want.sort();
             assert_eq!(got, want);
@@ -343,7 +343,9 @@ fn quantize_writes_checkpoints_close_to_the_reference() {
             let grouped = "model.layers.1.mlp.up_proj.weight";
             assert_eq!(dtype(&format!("{grouped}_scale")), "F16");
             assert_eq!(dtype(&format!("{grouped}_bias")), "F16");
-            assert_eq!(dtype("model.embedding.weight_scale"), "F32");
+            // The int6 head: U8 rows of 3 cols / 4 bytes, f16 group scales.
+            assert_eq!(dtype("model.embedding.weight"), "U8");
+            assert_eq!(dtype("model.embedding.weight_scale"), "F16");
             assert_eq!(cfg["quantization_config"]["scale_dtype"]["groups"], "float16");
         }
         let from_disk = logits_of(&out, &ids, &["--dtype", "f32"], &dir.path().join(format!("{to}-disk.npy")));

@@ -178,7 +178,7 @@ pub struct WeightPlan {
     pub read: f64,
     /// Weight bytes held (`read` and scales the kernels do not read).
     pub held: f64,
-    /// `int8-ch+int4-g32+bias (act bf16)`, `bf16`, ...
+    /// `int6-g32+int4-g32+bias (act bf16)`, `bf16`, ...
     pub precision: String,
 }
 

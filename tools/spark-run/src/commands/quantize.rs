@@ -1,4 +1,4 @@
-//! `spark-run quantize`: write an int8 or int4 copy of a float checkpoint.
+//! `spark-run quantize`: write an int8, int6 or int4 copy of a float checkpoint.
 //!
 //! Every matrix is quantized (the tied embedding / output head included: left in bf16 it would
 //! cost more per decode step than the whole 4-bit saving) except the tiny head gate `g_proj`,
@@ -24,12 +24,13 @@ pub struct QuantizeArgs {
     /// Float checkpoint directory (default: the demo checkpoint).
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
-    /// int8 (symmetric, per output channel unless --group) or int4 (asymmetric groups with a
-    /// scale and a bias each; the embedding / output head, and q_k_v_proj and down_proj of
-    /// llama.cpp's Q4_K_M "more bits" layers, in int8 per channel).
+    /// int8 (symmetric, per output channel unless --group), int6 (symmetric groups of 32) or
+    /// int4 (asymmetric groups with a scale and a bias each; the embedding / output head, and
+    /// q_k_v_proj and down_proj of llama.cpp's Q4_K_M "more bits" layers, in int6 groups of 32).
     #[arg(long)]
     pub to: String,
-    /// Columns per scale: 32, 64 or 128 for int4 (default 32); int8 default is the whole row.
+    /// Columns per scale: 32, 64 or 128 for int4 (default 32); int6 default 32; int8 default is
+    /// the whole row.
     #[arg(long)]
     pub group: Option<usize>,
     /// Output directory (created; must not already hold a checkpoint).
@@ -67,7 +68,7 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     let before = w.nbytes();
     let mut out = vec![];
     let mut group = None;
-    let mut in_int8 = vec![];
+    let mut in_int6 = vec![];
     for (name, r) in w.named() {
         let t = match r {
             NamedRef::T(t) => Weight::Float(t.clone()),
@@ -77,7 +78,7 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
                 if q.format == format {
                     group.get_or_insert(q.group);
                 } else {
-                    in_int8.push(name.clone());
+                    in_int6.push(name.clone());
                 }
                 Weight::Quant(q)
             }
@@ -97,16 +98,17 @@ pub fn run(a: QuantizeArgs) -> Result<()> {
     let group_size = match (format, a.group) {
         (_, Some(g)) => serde_json::json!(g),
         (QFormat::I8, None) => serde_json::json!("per_channel"),
-        (QFormat::I4, None) => serde_json::json!(group.unwrap_or(32)),
+        (QFormat::I4 | QFormat::I6, None) => serde_json::json!(group.unwrap_or(32)),
     };
     let mut qc = serde_json::json!({"quant_method": "spark", "format": format.name(), "group_size": group_size,
-        "symmetric": format == QFormat::I8, "modules_not_converted": ["g_proj"],
+        "symmetric": format != QFormat::I4, "modules_not_converted": ["g_proj"],
         "activations": "int8 per 32-block at run time (CPU)",
         "scale_dtype": {"groups": "float16", "per_channel": "float32"}});
     if format == QFormat::I4 {
-        // Asymmetric int4 groups (f16 scale and bias each); these tensors are int8 per channel.
+        // Asymmetric int4 groups (f16 scale and bias each); these tensors are symmetric int6 in
+        // groups of 32 (an f16 scale each).
         qc["bias"] = serde_json::json!(true);
-        qc["modules_in_int8"] = serde_json::json!(in_int8);
+        qc["modules_in_int6"] = serde_json::json!(in_int6);
     }
     obj.insert("quantization_config".into(), qc);
     std::fs::write(a.out.join("config.json"), serde_json::to_string_pretty(&obj)? + "\n")?;
