@@ -29,7 +29,8 @@ fn unit(seed: &mut u64) -> f32 {
     (lcg(seed) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
 }
 
-/// A random quantized matrix: every byte value (int8 -128..=127, both nibbles), scales of both
+/// A random quantized matrix: every byte value (int8 -128..=127, both nibbles, every int6
+/// value), scales of both
 /// signs (GGUF K-quants have signed sub-scales) and some zero, optional biases; with `half`,
 /// scales and biases rounded to f16 values (which the kernels then hold as f16: what
 /// `spark-run quantize` and GGUF Q8_0 / Q4_0 give), else f32 values that are not f16 ones.
@@ -101,8 +102,15 @@ fn combos(cols: usize) -> Vec<(QFormat, usize, bool, bool, &'static str)> {
         (QFormat::I4, 32, true, true, "int4 g32+bias f16 (ours)"),
         (QFormat::I4, 16, false, false, "int4 g16"),
         (QFormat::I4, 16, true, true, "int4 g16+bias f16"),
+        (QFormat::I6, 32, false, true, "int6 g32 f16 (ours)"),
+        (QFormat::I6, 32, false, false, "int6 g32 f32"),
+        (QFormat::I6, 16, false, false, "int6 g16 f32"),
+        (QFormat::I6, 16, false, true, "int6 g16 f16"),
+        (QFormat::I6, 64, false, true, "int6 g64 f16"),
+        (QFormat::I6, 48, false, false, "int6 g48"),
+        (QFormat::I6, cols, false, false, "int6 per-row"),
     ];
-    all.into_iter().filter(|&(_, g, _, _, _)| cols.is_multiple_of(g)).collect()
+    all.into_iter().filter(|&(f, g, _, _, _)| cols.is_multiple_of(g) && cols.is_multiple_of(f.col_multiple())).collect()
 }
 
 /// The integer levels this CPU has (the others are skipped, said once per test binary).
@@ -831,6 +839,7 @@ fn bench_kernels() {
                 (QFormat::I4, 64, false, false),
                 (QFormat::I8, 16, false, false),
                 (QFormat::I8, 16, false, true),
+                (QFormat::I6, 32, false, true),
             ] {
                 let label =
                     format!("{format} g{group}{}{}", if bias { "+bias" } else { "" }, if half { " f16" } else { "" });
@@ -968,6 +977,8 @@ fn dequantized_bf16_prefill_matches_reference() {
         (QFormat::I4, 64, false, false),
         (QFormat::I4, 128, true, true),
         (QFormat::I4, 16, true, false),
+        (QFormat::I6, 32, false, true),
+        (QFormat::I6, 16, false, false),
     ] {
         for &(n, k, m) in &[(66usize, 128usize, 33usize), (80, 640, 70), (97, 1152, 17), (64, 256, 12)] {
             let g = if group == 0 { k } else { group };
@@ -1023,7 +1034,8 @@ fn bench_decode_stream() {
     let spec = match format.as_str() {
         "int4" => spark_core::quant::QuantSpec::new(QFormat::I4, Some(32)),
         "int8" => spark_core::quant::QuantSpec::new(QFormat::I8, None),
-        other => panic!("QBENCH_FORMAT: int4 or int8, not {other}"),
+        "int6" => spark_core::quant::QuantSpec::new(QFormat::I6, Some(32)),
+        other => panic!("QBENCH_FORMAT: int4, int6 or int8, not {other}"),
     };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     let (m, k) = std::env::var("QBENCH_MK").map_or((2048, 2048), |v| {

@@ -84,7 +84,10 @@ pub fn available() -> bool {
 /// least one full 16-row block, 1 (int4: [`INT4_MIN_TOKENS`]) to [`MAX_TOKENS`] tokens.
 pub fn takes(w: &QMat, n: usize) -> bool {
     let min = if w.format == QFormat::I4 { INT4_MIN_TOKENS } else { 1 };
-    (w.format == QFormat::I4 || w.bias().is_none())
+    // int6 is not packed into tiles: its matrices take the VNNI kernels (decode) or AMX BF16
+    // on dequantized tiles (prefill).
+    w.format != QFormat::I6
+        && (w.format == QFormat::I4 || w.bias().is_none())
         && !matches!(w.mode, ScaleMode::Half | ScaleMode::Quad)
         && w.rows >= 16
         && (min..=MAX_TOKENS).contains(&n)

@@ -71,7 +71,7 @@ pub fn avx512_quant_prefill_takes(simd: Simd, format: spark_core::quant::QFormat
     use spark_core::quant::QFormat;
     simd == Simd::Avx512
         && match format {
-            QFormat::I4 => n >= 32,
+            QFormat::I4 | QFormat::I6 => n >= 32,
             QFormat::I8 => n >= 64,
         }
 }

@@ -7,7 +7,8 @@
 //! saturation), so no zero-point correction. Int4 nibbles `0..=15` are the unsigned operand
 //! directly (2*15*127 fits i16); their zero point of 8 is taken off after the sum, with the bias
 //! term (`TileArgs::bias_term`: `- 8 scale` per group times the activations' group sums), not
-//! per block in the loop.
+//! per block in the loop. Int6 likewise: its nibble and its top two bits (moved to bits 4-5 by
+//! one per-lane shift) or-ed into `0..=63`, zero point 32.
 //!
 //! `tile` scales each block in f32; `sub_tile` (2 to 31 tokens, int4 with integer
 //! sub-scales or int8 with per-row scales, activations with one scale per 256 columns) sums a
@@ -22,12 +23,13 @@ use spark_core::quant::QFormat;
 
 use std::marker::PhantomData;
 
-use super::qmatmul::{ScaleMode, SideEl, TileArgs, H16, QBLOCK, SUPER_BLOCKS};
+use super::qmatmul::{ScaleMode, SideEl, TileArgs, H16, I6_CHUNK_BYTES, QBLOCK, SUPER_BLOCKS};
 
 /// How a weight format turns a 32-block into `vpmaddubsw` operands.
 trait Fmt {
-    /// Whether the unsigned operand carries a zero point of 8 (taken off with the bias term).
-    const Z8: bool;
+    /// The zero point the unsigned operand carries (8 for int4, 32 for int6; taken off with the
+    /// bias term), 0 for none.
+    const ZERO: i32;
     /// Block `h` (0 or 1) of 64-column chunk `c` of the packed row at `w`: (unsigned operand,
     /// sign source).
     unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i);
@@ -37,9 +39,10 @@ trait Fmt {
 
 struct I8;
 struct I4;
+struct I6;
 
 impl Fmt for I8 {
-    const Z8: bool = false;
+    const ZERO: i32 = 0;
     #[inline(always)]
     unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i) {
         let v = _mm256_loadu_si256(w.add((2 * c + h) * QBLOCK) as *const __m256i);
@@ -52,7 +55,7 @@ impl Fmt for I8 {
 }
 
 impl Fmt for I4 {
-    const Z8: bool = true;
+    const ZERO: i32 = 8;
     #[inline(always)]
     unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i) {
         let v = _mm256_loadu_si256(w.add(c * 32) as *const __m256i);
@@ -61,6 +64,33 @@ impl Fmt for I4 {
     }
     #[inline(always)]
     unsafe fn dot16(wu: __m256i, _ws: __m256i, q: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(wu, q)
+    }
+}
+
+impl Fmt for I6 {
+    const ZERO: i32 = 32;
+    #[inline(always)]
+    unsafe fn block(w: *const u8, c: usize, h: usize) -> (__m256i, __m256i) {
+        // The chunk's nibbles as int4's; its top bits, element `16 i + j` at bits `2i` of byte
+        // `j`, broadcast to both halves and shifted per half so that block `h`'s two fields
+        // (`2h` in bytes 0-15, `2h + 1` in 16-31) land at bits 4-5 (32-bit shifts: what crosses
+        // into a neighbouring byte is masked off).
+        let p = w.add(c * I6_CHUNK_BYTES);
+        let v = _mm256_loadu_si256(p as *const __m256i);
+        let v = if h == 0 { v } else { _mm256_srli_epi16(v, 4) };
+        let lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+        let hb = _mm256_broadcastsi128_si256(_mm_loadu_si128(p.add(32) as *const __m128i));
+        let hs = if h == 0 {
+            _mm256_sllv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2))
+        } else {
+            _mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2))
+        };
+        (_mm256_or_si256(lo, _mm256_and_si256(hs, _mm256_set1_epi8(0x30))), v)
+    }
+    #[inline(always)]
+    unsafe fn dot16(wu: __m256i, _ws: __m256i, q: __m256i) -> __m256i {
+        // `0..=63` times `-127..=127`, in pairs: at most 16002, no saturation.
         _mm256_maddubs_epi16(wu, q)
     }
 }
@@ -268,7 +298,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             if S::ROW {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term::<E>(r, t, F::Z8);
+            out[r][t] += a.bias_term::<E>(r, t, F::ZERO);
         }
     }
     out
@@ -343,7 +373,7 @@ unsafe fn sub_tile<F: Fmt, E: SideEl, const K: bool, const R: usize, const T: us
             if !K {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += a.bias_term::<E>(r, t, F::Z8);
+            out[r][t] += a.bias_term::<E>(r, t, F::ZERO);
         }
     }
     out
@@ -427,6 +457,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
         return match fmt {
             QFormat::I4 => sides!(Sub<I4, f32, true>, Sub<I4, H16, true>),
             QFormat::I8 => sides!(Sub<I8, f32, false>, Sub<I8, H16, false>),
+            QFormat::I6 => unreachable!("int6 never sums super-blocks (QMat::sums_super_blocks)"),
         };
     }
     match (fmt, mode) {
@@ -439,6 +470,10 @@ pub(crate) unsafe fn rows_tokens<'a>(
         (QFormat::I4, ScaleMode::Pair) if sub => go!(I4, SubPair),
         (QFormat::I4, ScaleMode::Pair) => go!(I4, Pair),
         (QFormat::I4, _) => go!(I4, Uni),
+        (QFormat::I6, ScaleMode::Row) => go!(I6, PerRow),
+        (QFormat::I6, ScaleMode::Half | ScaleMode::Quad) => go!(I6, Half),
+        (QFormat::I6, ScaleMode::Pair) => go!(I6, Pair),
+        (QFormat::I6, _) => go!(I6, Uni),
     }
 }
 

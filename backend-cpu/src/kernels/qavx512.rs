@@ -8,8 +8,9 @@
 //! accumulated with one FMA by a 16-lane `weight scale * activation scale` vector (for int4 the
 //! activation scales of lanes 8-15 carry the factor 1/16: a power of two, so the products are
 //! bit-identical to unpacking the nibbles). The zero point (128 for int8, 8 for int4, 128 for
-//! the int4 high nibbles in place) is removed exactly: each `vpdpbusd` starts from `-zero *` the
-//! activations' 4-column sums instead of 0. Every function is `unsafe` and needs AVX-512F,
+//! the int4 high nibbles in place, 32 for int6) is removed exactly: each `vpdpbusd` starts from
+//! `-zero *` the activations' 4-column sums instead of 0. Int6 chunks are unpacked to `0..=63`
+//! in column order ([`I6`]: two broadcast loads, a shift, a rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F,
 //! AVX-512BW and AVX-512 VNNI (and F16C, for f16 scales).
 
 #![cfg(target_arch = "x86_64")]
@@ -18,7 +19,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{Grid, ScaleMode, SideEl, TileArgs, QBLOCK, QCHUNK, SUPER_BLOCKS};
+use super::qmatmul::{Grid, ScaleMode, SideEl, TileArgs, I6_CHUNK_BYTES, QBLOCK, QCHUNK, SUPER_BLOCKS};
 
 /// How a weight format yields the 64 unsigned bytes of a chunk.
 trait Fmt {
@@ -37,6 +38,7 @@ trait Fmt {
 
 struct I8;
 struct I4;
+struct I6;
 
 impl Fmt for I8 {
     #[inline(always)]
@@ -68,6 +70,48 @@ impl Fmt for I4 {
         _mm512_mul_ps(dv, I4_LANE_SCALE.v)
     }
 }
+
+impl Fmt for I6 {
+    const UNPACK: bool = true;
+    #[inline(always)]
+    unsafe fn start(s: __m512i) -> __m512i {
+        // Zero point 32 in every lane.
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<5>(s))
+    }
+    #[inline(always)]
+    unsafe fn chunk(w: *const u8, c: usize) -> __m512i {
+        // The nibbles broadcast to both halves, the high half's shifted down (`0..=15` in every
+        // byte, in column order); the 16 bytes of top bits broadcast to all four 128-bit lanes
+        // and rotated per lane so that lane `i`'s field (bits `2i..2i+2`) lands at bits 4-5; one
+        // ternary-logic op masks it and ors it in.
+        let p = w.add(c * I6_CHUNK_BYTES);
+        let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
+        let lo = _mm512_and_si512(_mm512_srlv_epi16(v, I6_NIBBLE_SHIFT.v), _mm512_set1_epi8(0x0F));
+        let h = _mm512_rolv_epi32(_mm512_broadcast_i32x4(_mm_loadu_si128(p.add(32) as *const __m128i)), I6_ROTATE.v);
+        // A | (B & C): 0xF0 | (0xCC & 0xAA).
+        _mm512_ternarylogic_epi32::<0xF8>(lo, h, _mm512_set1_epi8(0x30))
+    }
+}
+
+#[repr(C)]
+union Words {
+    a: [u16; 32],
+    v: __m512i,
+}
+/// Shift of each 16-bit word of the broadcast nibbles: 0 in the low half, 4 in the high.
+const I6_NIBBLE_SHIFT: Words = {
+    let mut a = [0u16; 32];
+    let mut i = 16;
+    while i < 32 {
+        a[i] = 4;
+        i += 1;
+    }
+    Words { a }
+};
+/// Left rotation of each 32-bit lane of the broadcast top bits: field `i` (bits `2i`) of each
+/// byte to bits 4-5 in 128-bit lane `i` (by 4, 2, 0, and 30 = right by 2; bits moved into a
+/// neighbouring byte fall outside the mask).
+const I6_ROTATE: Idx = Idx { a: [4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 30, 30, 30, 30] };
 
 #[repr(C)]
 pub(super) union Bytes {
@@ -290,7 +334,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             if S::ROW {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += if S::GRID { a.grid_bias_term(r, t) } else { a.bias_term::<E>(r, t, false) };
+            out[r][t] += if S::GRID { a.grid_bias_term(r, t) } else { a.bias_term::<E>(r, t, 0) };
         }
     }
     out
@@ -342,6 +386,12 @@ pub(crate) unsafe fn rows_tokens<'a>(
         (QFormat::I4, ScaleMode::Pair) => go!(I4, Pair),
         (QFormat::I4, ScaleMode::Half) => go!(I4, Half),
         (QFormat::I4, ScaleMode::Quad) => go!(I4, Quad),
+        (QFormat::I6, ScaleMode::Row) => go!(I6, PerRow),
+        (QFormat::I6, ScaleMode::Chunk) => go!(I6, Chunk),
+        (QFormat::I6, ScaleMode::Block) => go!(I6, Block),
+        (QFormat::I6, ScaleMode::Pair) => go!(I6, Pair),
+        (QFormat::I6, ScaleMode::Half) => go!(I6, Half),
+        (QFormat::I6, ScaleMode::Quad) => go!(I6, Quad),
     }
 }
 

@@ -1,4 +1,4 @@
-//! Integer matmul for quantized weights: `out = x W^T` with `W` an int8 or int4 [`QTensor`]
+//! Integer matmul for quantized weights: `out = x W^T` with `W` an int8, int6 or int4 [`QTensor`]
 //! repacked at upload ([`QMat`]) and the activations `x` quantized on the fly ([`QAct`]).
 //!
 //! Precision (W8A8 / W4A8): each token's row of `x` is cut into blocks of 32 values, each
@@ -27,7 +27,9 @@
 //! are zero too), 64-byte aligned. Int8 is stored as the signed bytes themselves (the AVX2 sign
 //! trick wants them; VNNI flips the top bit on load); int4 per 64-column chunk as 32 bytes with
 //! element `j` in the low nibble of byte `j` and element `j + 32` in the high nibble, so one
-//! 256-bit load, a mask and a shift give the two 32-blocks in order. Scales and biases are the
+//! 256-bit load, a mask and a shift give the two 32-blocks in order; int6 per chunk as those 32
+//! bytes of low nibbles followed by 16 bytes of top bits (element `16 i + j` at bits `2i` of byte
+//! `32 + j`: [`I6_CHUNK_BYTES`]). Scales and biases are the
 //! tensor's values (`[rows, cols / group]`), held as f16 when they fit one
 //! ([`QTensor::sides_fit_f16`]: exact, or within 2^-11 for GGUF K-quant products) and this CPU's
 //! kernels gain from it ([`Side`], [`QMat::f16_sides_pay`]), else as the tensor's own f32 array;
@@ -223,6 +225,27 @@ fn repack_int4_row(src: &[u8], cols: usize, dst: &mut [u8]) {
         }
     }
 }
+
+/// One int6 row from the tensor's order ([`spark_core::quant::i6_stored`]) into [`QMat`]'s: per
+/// 64-column chunk 48 bytes, 32 of low nibbles as int4's chunk (element `j` low, `j + 32` high
+/// in byte `j`) then 16 of top bits (element `16 i + j` at bits `2i..2i+2` of byte `32 + j`);
+/// columns past `cols` are 32 (q = 0). `dst` is the padded row.
+fn repack_int6_row(src: &[u8], cols: usize, dst: &mut [u8]) {
+    let v = |c: usize| if c < cols { spark_core::quant::i6_stored(src, cols, c) } else { 32 };
+    for (ci, chunk) in dst.chunks_exact_mut(I6_CHUNK_BYTES).enumerate() {
+        let c0 = ci * QCHUNK;
+        let e: [u8; QCHUNK] = std::array::from_fn(|j| v(c0 + j));
+        for j in 0..32 {
+            chunk[j] = (e[j] & 0xF) | ((e[j + 32] & 0xF) << 4);
+        }
+        for j in 0..16 {
+            chunk[32 + j] = (0..4).fold(0u8, |b, i| b | ((e[16 * i + j] >> 4) << (2 * i)));
+        }
+    }
+}
+
+/// Bytes of one 64-column int6 chunk in [`QMat`] (32 of nibbles, 16 of top bits).
+pub const I6_CHUNK_BYTES: usize = 48;
 
 /// A matrix's scales or biases (`[rows, ng]`) as the kernels read them.
 pub enum Side {
@@ -454,6 +477,7 @@ impl QMat {
         match self.format {
             QFormat::I8 => self.kp,
             QFormat::I4 => self.kp / 2,
+            QFormat::I6 => self.kp / QCHUNK * I6_CHUNK_BYTES,
         }
     }
 
@@ -533,9 +557,10 @@ impl QMat {
         let rb = match q.format {
             QFormat::I8 => kp,
             QFormat::I4 => kp / 2,
+            QFormat::I6 => kp / QCHUNK * I6_CHUNK_BYTES,
         };
-        // Zeroed (the allocator's fresh pages): int8 padding is q = 0; int4 rows are written
-        // whole below, their padding as nibble 8 (q = 0).
+        // Zeroed (the allocator's fresh pages): int8 padding is q = 0; int4 and int6 rows are
+        // written whole below, their padding as 8 or 32 (q = 0).
         let mut data = vec![0u8; rows * rb + 64];
         let off = data.as_ptr().align_offset(64).min(64);
         // Rows in parallel (the pages are first touched here, by the worker that fills them),
@@ -546,6 +571,7 @@ impl QMat {
                 match q.format {
                     QFormat::I8 => dst[..cols].copy_from_slice(src),
                     QFormat::I4 => repack_int4_row(src, cols, dst),
+                    QFormat::I6 => repack_int6_row(src, cols, dst),
                 }
             }
         });
@@ -685,6 +711,7 @@ impl QMat {
         match self.format {
             QFormat::I8 => &row[c0..c0 + n],
             QFormat::I4 => &row[c0 / 2..(c0 + n).div_ceil(2)],
+            QFormat::I6 => &row[c0 / QCHUNK * I6_CHUNK_BYTES..(c0 + n).div_ceil(QCHUNK) * I6_CHUNK_BYTES],
         }
     }
 
@@ -718,6 +745,7 @@ impl QMat {
                 let b = row[(c / QCHUNK) * 32 + c % 32];
                 (if c % QCHUNK < 32 { b & 0xF } else { b >> 4 }) as i32 - 8
             }
+            QFormat::I6 => i6_qval(row, c),
         }
     }
 
@@ -799,6 +827,15 @@ impl QMat {
                     let (base, shift) = ((c / QCHUNK) * 32 + c % 32, if c % QCHUNK >= 32 { 4 } else { 0 });
                     for (q, &v) in q.iter_mut().zip(&row[base..base + 16]) {
                         *q = (((v >> shift) & 0xF) as i32 - 8) as f32;
+                    }
+                }
+                QFormat::I6 => {
+                    // 16 columns: one nibble half of 16 bytes and one 2-bit field of 16 bytes.
+                    let ch = &row[c / QCHUNK * I6_CHUNK_BYTES..][..I6_CHUNK_BYTES];
+                    let (j0, nshift) = (c % 32, if c % QCHUNK >= 32 { 4 } else { 0 });
+                    let hshift = 2 * (c % QCHUNK / 16);
+                    for ((q, &l), &h) in q.iter_mut().zip(&ch[j0..j0 + 16]).zip(&ch[32..48]) {
+                        *q = ((((l >> nshift) & 0xF) | (((h >> hshift) & 3) << 4)) as i32 - 32) as f32;
                     }
                 }
             }
@@ -1098,7 +1135,7 @@ impl TileArgs<'_> {
     }
 
     /// Row `r`'s (of the tile) bias term for token `t` with [`Grid`] biases: the same sum, in the
-    /// same order and with the same f32 values, as [`TileArgs::bias_term`] without `zero8` on
+    /// same order and with the same f32 values, as [`TileArgs::bias_term`] without a zero on
     /// f16 biases of the same values (`ng` a multiple of 8).
     ///
     /// # Safety
@@ -1127,18 +1164,20 @@ impl TileArgs<'_> {
     }
 
     /// Row `r`'s (of the tile) bias term for token `t`: `sum_g bias[r, g] * A[t, g]`, 0 without
-    /// biases (eight partial sums). With `zero8`, also the int4 zero point's: the kernel then
-    /// summed the nibbles `0..=15` as they are, and `sum_g (bias[r, g] - 8 scale[r, g]) A[t, g]`
-    /// adds what `- 8` would have (a row scale, `ng == 1`, is the same formula).
+    /// biases (eight partial sums). With a `zero` point (8 for int4, 32 for int6; 0: none), also
+    /// its term: the kernel then summed the stored values as they are, and `sum_g (bias[r, g] -
+    /// zero scale[r, g]) A[t, g]` adds what `- zero` would have (a row scale, `ng == 1`, is the
+    /// same formula).
     ///
     /// # Safety
     /// `r` and `t` are inside the tile the arguments describe; the scales and biases are `E`s;
     /// AVX2, FMA and F16C (inlined into the kernels, which enable them).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    pub unsafe fn bias_term<E: SideEl>(&self, r: usize, t: usize, zero8: bool) -> f32 {
+    pub unsafe fn bias_term<E: SideEl>(&self, r: usize, t: usize, zero: i32) -> f32 {
         use std::arch::x86_64::*;
         let nob = self.b.is_null();
+        let zero8 = zero != 0;
         if nob && !zero8 {
             return 0.0;
         }
@@ -1161,7 +1200,7 @@ impl TileArgs<'_> {
                 }
             };
             let s1 = |i: usize| if sub { *k.add(i) as f32 * *u.add(i / SUPER_BLOCKS) } else { E::get(s, i) };
-            let z = if zero8 { -8.0 } else { 0.0 };
+            let z = if zero8 { -(zero as f32) } else { 0.0 };
             let n8 = self.ng / 8 * 8;
             let mut acc = _mm256_setzero_ps();
             for i in (0..n8).step_by(8) {
@@ -1445,6 +1484,16 @@ pub(super) fn rows_tokens(
     }
 }
 
+/// Element `c` of a packed int6 row ([`repack_int6_row`]'s layout) minus the zero point 32.
+#[inline]
+fn i6_qval(row: &[u8], c: usize) -> i32 {
+    let ch = &row[c / QCHUNK * I6_CHUNK_BYTES..][..I6_CHUNK_BYTES];
+    let j = c % QCHUNK;
+    let lo = (ch[j % 32] >> (4 * (j / 32))) & 0xF;
+    let hi = (ch[32 + j % 16] >> (2 * (j / 16))) & 3;
+    (lo | hi << 4) as i32 - 32
+}
+
 /// The reference kernel: per 32-block, the exact integer dot of each 16-column half, scaled by
 /// `d * s` in f32 (signed weights, so no zero-point correction).
 pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
@@ -1464,6 +1513,7 @@ pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
                     let byte = row[(c / QCHUNK) * 32 + c % 32];
                     (if c % QCHUNK < 32 { byte & 0xF } else { byte >> 4 }) as i32 - 8
                 }
+                QFormat::I6 => i6_qval(row, c),
             };
             sums[j / 16] += wq * a as i32;
         }
