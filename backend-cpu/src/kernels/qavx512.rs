@@ -10,7 +10,7 @@
 //! bit-identical to unpacking the nibbles). The zero point (128 for int8, 8 for int4, 128 for
 //! the int4 high nibbles in place, 32 for int6) is removed exactly: each `vpdpbusd` starts from
 //! `-zero *` the activations' 4-column sums instead of 0. Int6 chunks are unpacked to `0..=63`
-//! in column order ([`I6`]: two broadcast loads, a shift, a rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F,
+//! in column order (`I6`: two broadcast loads, a shift, a rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F,
 //! AVX-512BW and AVX-512 VNNI (and F16C, for f16 scales).
 
 #![cfg(target_arch = "x86_64")]
