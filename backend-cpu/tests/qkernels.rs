@@ -474,12 +474,52 @@ fn avx2_quantized_prefill_panels_match_f64_reference() {
             }
         }
     }
-    // Free-form int4 steps have no sub-scales, int8 has none: the f32 panels keep them.
-    for qt in [
-        random_q(9, 256, QFormat::I4, 32, true, true, &mut seed),
-        random_q(9, 256, QFormat::I8, 32, false, true, &mut seed),
-    ] {
-        assert!(!qprefill_avx2::takes(QSimd::Avx2, &QMat::with_sides(&qt, true).with_sub_scales(), 64));
+}
+
+/// The AVX2 integer prefill panels for float scales ([`qpanels_avx2`], which
+/// `qprefill_avx2::matmul` takes for every matrix without int4 sub-scales): every format and
+/// group the loaders produce (int8 per row and in groups, int6 in 16s, 32s, 48s, 64s and per row,
+/// int4 free-form with and without biases), f32 and f16 sides, every byte value, rows that leave
+/// a partial panel, token counts that leave a partial micro-kernel tile: against the f64
+/// reference on the same activations (one scale per 32-block), on one and two threads, and
+/// `quant_matmul` takes this path at the AVX2 level.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn avx2_float_scale_prefill_panels_match_f64_reference() {
+    use spark_backend_cpu::kernels::qprefill_avx2;
+    if QSimd::detect() < QSimd::Avx2 {
+        eprintln!("skipped: this CPU has no AVX2 (or SPARK_CPU_SIMD caps it)");
+        return;
+    }
+    let mut seed = 43u64;
+    let pools: Vec<_> =
+        [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+    for &(cols, rows) in &[(192usize, 13usize), (2112, 9)] {
+        for (format, group, bias, half, what) in combos(cols) {
+            let qt = as_held(&random_q(rows, cols, format, group, bias, half, &mut seed), half);
+            let w = QMat::with_sides(&qt, half).with_sub_scales();
+            if w.sub_scales().is_some() {
+                continue;
+            }
+            let deq = qt.dequantize();
+            for &n in &[32usize, 39] {
+                assert!(qprefill_avx2::takes(QSimd::Avx2, &w, n));
+                let x = random_x(n, cols, &mut seed);
+                let act = QAct::quantize(&x, n, cols, &w);
+                let (want, mag) = f64_reference(&deq, &act, rows, cols);
+                for pool in &pools {
+                    let mut out = vec![f32::NAN; n * rows];
+                    pool.install(|| qprefill_avx2::matmul(&x, n, cols, &w, &mut out, DType::F32));
+                    let threads = pool.current_num_threads();
+                    assert_matches_reference(&out, &want, &mag, || {
+                        format!("{what} bias {bias} half {half} {threads} threads n={n} cols={cols} rows={rows}")
+                    });
+                    let mut via = vec![f32::NAN; n * rows];
+                    pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &w, &mut via, DType::F32));
+                    assert_eq!(out, via, "{what}: quant_matmul at the AVX2 level takes the prefill panels");
+                }
+            }
+        }
     }
 }
 
@@ -610,11 +650,6 @@ fn avx2_quantized_prefill_on_float_panels_matches_f64() {
                                 "{what} {simd:?} n={n} cols={cols} [{t},{r}]: {got} vs {want}"
                             );
                         }
-                    }
-                    if simd == Simd::Avx2 {
-                        let mut via = vec![f32::NAN; n * rows];
-                        pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &w, &mut via, DType::F32));
-                        assert_eq!(via, out, "{what}: quant_matmul at the AVX2 level takes the panels");
                     }
                 }
             }

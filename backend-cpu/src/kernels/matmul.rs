@@ -98,16 +98,12 @@ const MR_512: usize = super::avx512::MR;
 #[allow(dead_code)]
 const MR_512: usize = MR;
 
-/// From this many tokens, int8/int4 matmuls on CPUs whose integer level is AVX2 (no VNNI, no
-/// AMX: Zen 2/3, Haswell to Coffee Lake) run the float prefill on dequantized panels
-/// ([`quant_panels`]) instead of the W8A8 / W4A8 integer kernels. Without VNNI an int8 dot costs
-/// `vpmaddubsw`, `vpmaddwd`, a conversion and an FMA per 32-block, token and row: no fewer
-/// instructions per multiply than f32 FMAs, which the panel kernel issues back to back. Whole
-/// 1.7B-shape prefill with `SPARK_CPU_SIMD=avx2` on a Sapphire Rapids VM, 2 threads: int4 pp512
-/// 14.7 tok/s through the integer kernels, bf16 weights 34.2 through the float panels. int4
-/// with integer sub-scales takes integer panels instead, from
-/// [`super::qprefill_avx2::MIN_TOKENS`] tokens (one `vpmaddubsw` and one `vpaddw` per 32
-/// multiply-adds).
+/// Fewest tokens [`quant_panels`] was dispatched for on CPUs whose integer level is AVX2 (no
+/// VNNI, no AMX). No longer dispatched: from [`super::qprefill_avx2::MIN_TOKENS`] tokens every
+/// quantized matrix takes integer panels at that level ([`super::qprefill_avx2`] for int4 with
+/// sub-scales, [`super::qpanels_avx2`] for the rest), which beat these f32 panels in whole-model
+/// prefill (2-vCPU Zen 3, int8 pp512: 64 against 55 tok/s). The f32 panels stay as the prefill
+/// with unquantized activations that the tests and the kernel bench compare against.
 pub const AVX2_QUANT_PANEL_MIN_TOKENS: usize = 32;
 
 /// `out = x W^T` for a quantized `w` through the float prefill: each panel of 16 rows

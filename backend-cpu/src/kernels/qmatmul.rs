@@ -62,10 +62,9 @@ pub const QCHUNK: usize = 64;
 /// decode keeps per-block activation scales, the finer ones; from two tokens on the integer
 /// sums pay (int4, 4 tokens: 33-36 against 22-23 GMAC/s; whole-model batched decode +16-34 %
 /// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From 32 tokens
-/// [`quant_matmul`] takes panels instead: int4 with sub-scales the integer panels of
-/// [`super::qprefill_avx2`] ([`super::qprefill_avx2::MIN_TOKENS`]), the rest the f32 panels
-/// ([`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`]; this row-major kernel was ahead of them in
-/// the one-thread kernel bench but not in whole-model prefill).
+/// [`quant_matmul`] takes integer panels instead ([`super::qprefill_avx2::MIN_TOKENS`]): int4
+/// with sub-scales those of [`super::qprefill_avx2`], the rest those of
+/// [`super::qpanels_avx2`].
 pub const SUB_SCALE_MIN_TOKENS: usize = 2;
 
 /// 32-blocks per int4 super-block ([`spark_core::quant::SUPER_COLS`] columns).
@@ -1319,11 +1318,10 @@ impl SideEl for H16 {
 /// The one place a quantized matmul at float level `simd` picks its kernel: AMX INT8 tiles
 /// where they take the shape ([`super::amx_int8::takes`]); else, from
 /// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
-/// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from
-/// 32 tokens, int4 with sub-scales on integer panels ([`super::qprefill_avx2::takes`]) and the
-/// rest as an f32 prefill on dequantized panels ([`super::matmul::quant_panels`], from
-/// [`super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS`]); else the integer kernels of `simd`'s level
-/// ([`qmatmul`]).
+/// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from 32 tokens,
+/// integer panels ([`super::qprefill_avx2::takes`]: int4 with sub-scales in
+/// [`super::qprefill_avx2`], every other matrix in [`super::qpanels_avx2`]); else the integer
+/// kernels of `simd`'s level ([`qmatmul`]).
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());
     #[cfg(target_arch = "x86_64")]
@@ -1340,10 +1338,6 @@ pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, 
     #[cfg(target_arch = "x86_64")]
     if super::qprefill_avx2::takes(qs, w, n) {
         super::qprefill_avx2::matmul(x, n, k, w, out, round);
-        return;
-    }
-    if qs == QSimd::Avx2 && n >= super::matmul::AVX2_QUANT_PANEL_MIN_TOKENS && simd >= super::Simd::Avx2 {
-        super::matmul::quant_panels(simd, x, n, k, w, out, round);
         return;
     }
     #[cfg(target_arch = "x86_64")]

@@ -17,7 +17,9 @@
 //! f32 product: `sum_g (bias[r, g] - 8 scale[r, g]) A[t, g]` with `A` the activations' group
 //! sums (the term `TileArgs::bias_term` adds).
 //!
-//! Int8 weights keep the f32 panels. Tried in session 13 (128 tokens, one thread, 1.7B
+//! Int8, int6 and int4 without sub-scales go to the panels of [`super::qpanels_avx2`] (two
+//! 4-bit planes per weight for int8 and int6, float scales per block). Tried before them, in
+//! session 13 (128 tokens, one thread, 1.7B
 //! shapes): i16 panels times i16 activations (`vpmaddwd`, 16 multiply-adds per instruction)
 //! ran 31.0-34.4 GMAC/s against the f32 panels' 30.1-31.2; the row-major super-block kernel
 //! ([`super::qavx2`]) 34.9-40.9, but whole-model int8 pp512 through it was level with the f32
@@ -52,12 +54,10 @@ const MR: usize = 6;
 pub const MIN_TOKENS: usize = 32;
 
 /// Whether [`matmul`] takes `w` for `n` tokens at integer level `qs`: the AVX2 level, from
-/// [`MIN_TOKENS`] tokens, int4 with sub-scales.
-pub fn takes(qs: super::QSimd, w: &QMat, n: usize) -> bool {
-    qs == super::QSimd::Avx2
-        && super::QSimd::detect() >= super::QSimd::Avx2
-        && w.sub_scales().is_some()
-        && n >= MIN_TOKENS
+/// [`MIN_TOKENS`] tokens, any quantized matrix (int4 with sub-scales on this module's panels,
+/// the rest on [`super::qpanels_avx2`]'s).
+pub fn takes(qs: super::QSimd, _w: &QMat, n: usize) -> bool {
+    qs == super::QSimd::Avx2 && super::QSimd::detect() >= super::QSimd::Avx2 && n >= MIN_TOKENS
 }
 
 /// One panel's operands: rows `p0..p0 + 8` (zeros past the matrix's last row).
@@ -136,12 +136,17 @@ impl Panel {
     }
 }
 
-/// `out = round(x W^T)` for `w` that [`takes`] at the AVX2 level, `x` `[n, k]`.
+/// `out = round(x W^T)` for `w` that [`takes`] at the AVX2 level, `x` `[n, k]` (matrices without
+/// int4 sub-scales go on to [`super::qpanels_avx2`]).
 ///
 /// # Panics
 /// If [`takes`] is false for `w` and `n` at the AVX2 level, or the sizes do not match.
 pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
-    assert!(takes(super::QSimd::Avx2, w, n), "qprefill_avx2: needs AVX2 and int4 sub-scales");
+    assert!(takes(super::QSimd::Avx2, w, n), "qprefill_avx2: needs AVX2 and {MIN_TOKENS} tokens");
+    if w.sub_scales().is_none() {
+        super::qpanels_avx2::matmul(x, n, k, w, out, round);
+        return;
+    }
     let m = w.rows;
     assert_eq!(out.len(), n * m, "qprefill_avx2: out has the wrong size");
     let act = QAct::quantize_spans(super::QSimd::Avx2, x, n, k, w, SUPER_BLOCKS);

@@ -1,0 +1,330 @@
+//! AVX2 integer prefill panels for the quantized weights whose scales are floats: int8 (per row
+//! or in groups), int6 (`spark-run quantize`'s groups of 32, GGUF Q6_K's of 16) and int4 without
+//! integer sub-scales (GGUF Q4_K / Q4_0). Int4 with sub-scales has its own panels
+//! ([`super::qprefill_avx2`]), which [`super::qprefill_avx2::matmul`] picks first.
+//!
+//! `vpmaddubsw` multiplies unsigned weight bytes by signed activation bytes and sums pairs into
+//! 16-bit lanes. A lane stays exact over 32 columns (16 products) only while a weight byte is at
+//! most 15 (16 x 15 x 127 = 30480 < 2^15). So each weight is held as unsigned `u = q + zero` cut
+//! into planes of at most 4 bits: int8 `u = q + 128 = 16 h + l` (two nibble planes), int6
+//! `u = q + 32 = 16 h + l` (`h` its top 2 bits), int4 the nibble itself (one plane). A panel of 8
+//! rows is unpacked once per call into `[kp / 4][planes][8 rows][4 columns]` bytes; per 4 columns
+//! the micro-kernel loads the planes once and, for each token, broadcasts its 4 activation bytes
+//! and issues one `vpmaddubsw` and one `vpaddw` per plane. Every 32 columns (16 where groups are
+//! 16) the planes' 16-bit sums are combined in i32 (`vpmaddwd` by 16 and by 1), converted to f32
+//! and added with the weight row's scale times the activation block's (one FMA; per-row scales
+//! are applied once at the end instead). The zero point and the biases come off as in
+//! [`super::qprefill_avx2`]: `sum_g (bias[r, g] - zero scale[r, g]) A[t, g]`.
+//!
+//! Why planes rather than f32 panels: the multiply ports are what bounds either (two per cycle
+//! on Zen 3, shared by `vfmadd` and `vpmaddubsw`), and two planes give 16 multiply-adds per port
+//! operation against the f32 FMA's 8. Measured on one Zen 3 core (a kernel loop in L1): 79 GMAC/s
+//! with two planes at 4 tokens, 72 with the sign trick (`vpsignb` on the activations, one plane
+//! of `|q|`, then `vpmaddwd` by 1), 51 for f32 panels at 16 rows x 6 tokens.
+//!
+//! Precision: the activations are int8 with one scale per 32-block (as the decode kernels
+//! quantize them: [`QAct::quantize`]), the integer sums exact, f32 from each block on. Against
+//! the f32 panels ([`super::matmul::quant_panels`]) this adds the activations' rounding, the
+//! same that decode has always had.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use rayon::prelude::*;
+use spark_core::quant::QFormat;
+use spark_core::DType;
+
+use super::qmatmul::{QAct, QMat, I6_CHUNK_BYTES, QBLOCK, QCHUNK};
+use super::SharedOut;
+
+/// Weight rows per panel (one vector of 4-column groups per plane).
+const ROWS: usize = 8;
+/// Bytes of one plane per micro-kernel step (4 columns of 8 rows).
+const PLANE: usize = 32;
+/// Most tokens per micro-kernel call with two planes: `3 T` accumulators, two planes, the
+/// broadcast and a product fill the 16 registers at 4.
+const MR2: usize = 4;
+/// Most tokens per micro-kernel call with one plane (`2 T + 3` registers).
+const MR1: usize = 6;
+
+/// `out = round(x W^T)` for `w` (no integer sub-scales) at the AVX2 level, `x` `[n, k]`, on the
+/// panels this module describes. The caller ([`super::qprefill_avx2::matmul`]) checked AVX2.
+pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
+    let m = w.rows;
+    assert_eq!(out.len(), n * m, "qpanels_avx2: out has the wrong size");
+    let act = QAct::quantize_spans(super::QSimd::Avx2, x, n, k, w, 1);
+    let planes = if w.format == QFormat::I4 { 1 } else { 2 };
+    let row_scale = w.ng == 1;
+    // Columns per flush: the 16-bit sums stay exact over 32; groups of 16 (or any not a multiple
+    // of 32) flush per 16, so each flush lies in one group.
+    let flush = if row_scale || w.group.is_multiple_of(QBLOCK) { QBLOCK } else { 16 };
+    let mr = if planes == 2 { MR2 } else { MR1 };
+    let (kp, ng) = (w.kp, w.ng);
+    let nb = kp / QBLOCK;
+    let chunk = super::row_chunk(m, ROWS);
+    let outp = SharedOut(out.as_mut_ptr());
+    (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let r0 = c * chunk;
+        let r1 = (r0 + chunk).min(m);
+        let mut panel = Panel::new(w, planes);
+        for p0 in (r0..r1).step_by(ROWS) {
+            // SAFETY: the caller checked the AVX2 level.
+            unsafe { panel.pack(w, p0) };
+            let rows = ROWS.min(r1 - p0);
+            let mut t = 0;
+            while t < n {
+                let tb = if n - t >= mr { mr } else { 1 };
+                let ops = Ops {
+                    w: panel.w.as_ptr(),
+                    s: panel.s.as_ptr(),
+                    z: panel.z.as_ptr(),
+                    q: act.q[t * kp..].as_ptr(),
+                    d: act.d[t * nb..].as_ptr(),
+                    a: act.a[t * ng..].as_ptr(),
+                    kp,
+                    ng,
+                    group: w.group,
+                    steps: flush / 4,
+                };
+                let mut res = [[0.0f32; ROWS]; MR1];
+                // SAFETY: AVX2 with FMA (QSimd's AVX2 level, checked by the caller); the panel
+                // holds kp / 4 steps of `planes` x 32 bytes and ng x 8 scales and zero terms;
+                // `tb` tokens of kp values, nb block scales and ng group sums start at the token
+                // pointers.
+                unsafe {
+                    match (planes, row_scale, flush, tb) {
+                        (2, true, _, MR2) => tile::<MR2, 2, true, QBLOCK>(&ops, &mut res),
+                        (2, true, _, _) => tile::<1, 2, true, QBLOCK>(&ops, &mut res),
+                        (2, false, QBLOCK, MR2) => tile::<MR2, 2, false, QBLOCK>(&ops, &mut res),
+                        (2, false, QBLOCK, _) => tile::<1, 2, false, QBLOCK>(&ops, &mut res),
+                        (2, false, _, MR2) => tile::<MR2, 2, false, 16>(&ops, &mut res),
+                        (2, false, _, _) => tile::<1, 2, false, 16>(&ops, &mut res),
+                        (_, true, _, MR1) => tile::<MR1, 1, true, QBLOCK>(&ops, &mut res),
+                        (_, true, _, _) => tile::<1, 1, true, QBLOCK>(&ops, &mut res),
+                        (_, false, QBLOCK, MR1) => tile::<MR1, 1, false, QBLOCK>(&ops, &mut res),
+                        (_, false, QBLOCK, _) => tile::<1, 1, false, QBLOCK>(&ops, &mut res),
+                        (_, false, _, MR1) => tile::<MR1, 1, false, 16>(&ops, &mut res),
+                        (_, false, _, _) => tile::<1, 1, false, 16>(&ops, &mut res),
+                    }
+                }
+                for (i, r) in res.iter().enumerate().take(tb) {
+                    // SAFETY: t + i < n and p0 + rows <= r1 <= m; rows [r0, r1) belong to this
+                    // task only.
+                    unsafe { outp.put_rounded((t + i) * m + p0, &r[..rows], round) };
+                }
+                t += tb;
+            }
+        }
+    });
+}
+
+/// One panel's operands: rows `p0..p0 + 8` (zero weights past the matrix's last row).
+struct Panel {
+    planes: usize,
+    /// `[kp / 4][planes][8][4]` bytes, the high plane first.
+    w: Vec<u8>,
+    /// `[ng][8]` scales.
+    s: Vec<f32>,
+    /// `[ng][8]` `bias - zero scale`.
+    z: Vec<f32>,
+    /// One row's planes in column order (`[planes][kp]`), before the interleave.
+    row: Vec<u8>,
+}
+
+impl Panel {
+    fn new(w: &QMat, planes: usize) -> Panel {
+        Panel {
+            planes,
+            w: vec![0; w.kp / 4 * planes * PLANE],
+            s: vec![0.0; w.ng * ROWS],
+            z: vec![0.0; w.ng * ROWS],
+            row: vec![0; planes * w.kp],
+        }
+    }
+
+    /// Fill with rows `p0..` of `w`.
+    ///
+    /// # Safety
+    /// AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn pack(&mut self, w: &QMat, p0: usize) {
+        let (kp, ng, rb) = (w.kp, w.ng, w.row_bytes());
+        let nr = ROWS.min(w.rows - p0);
+        if nr < ROWS {
+            self.w.fill(0);
+            self.s.fill(0.0);
+            self.z.fill(0.0);
+        }
+        let zero = match w.format {
+            QFormat::I8 => 128.0,
+            QFormat::I6 => 32.0,
+            QFormat::I4 => 8.0,
+        };
+        let step = self.planes * PLANE;
+        for j in 0..nr {
+            let r = p0 + j;
+            let src = &w.packed()[r * rb..(r + 1) * rb];
+            // SAFETY: AVX2 (this function's precondition); `src` is one packed row of `w`'s
+            // format and `self.row` holds `planes` x kp bytes.
+            unsafe { unpack_row(w.format, src, kp, &mut self.row) };
+            for p in 0..self.planes {
+                let plane = &self.row[p * kp..(p + 1) * kp];
+                for (i, quad) in plane.chunks_exact(4).enumerate() {
+                    let o = i * step + p * PLANE + 4 * j;
+                    self.w[o..o + 4].copy_from_slice(quad);
+                }
+            }
+            for g in 0..ng {
+                let scale = w.scales().get(r * ng + g);
+                let bias = w.bias().map_or(0.0, |b| b.get(r * ng + g));
+                self.s[g * ROWS + j] = scale;
+                self.z[g * ROWS + j] = bias + -zero * scale;
+            }
+        }
+    }
+}
+
+/// One packed row of `format` (`kp` columns) into planes of unsigned 4-bit values `u = q +
+/// zero` in column order: `out[..kp]` the high plane, `out[kp..2 kp]` the low one (int8, int6),
+/// or `out[..kp]` the nibbles (int4).
+///
+/// # Safety
+/// AVX2; `src` holds the row's bytes in [`QMat`]'s layout, `out` at least planes x `kp` bytes.
+#[target_feature(enable = "avx2")]
+unsafe fn unpack_row(format: QFormat, src: &[u8], kp: usize, out: &mut [u8]) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let o = out.as_mut_ptr();
+    // SAFETY (all blocks below): every load reads inside `src` (the row's kp, kp / 2 or
+    // kp / 64 x 48 bytes) and every store writes inside `out` (planes x kp bytes).
+    match format {
+        QFormat::I8 => {
+            let flip = _mm256_set1_epi8(-128);
+            for c in (0..kp).step_by(32) {
+                let v = unsafe { _mm256_loadu_si256(src.as_ptr().add(c) as *const __m256i) };
+                let u = _mm256_xor_si256(v, flip);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
+                unsafe {
+                    _mm256_storeu_si256(o.add(c) as *mut __m256i, hi);
+                    _mm256_storeu_si256(o.add(kp + c) as *mut __m256i, _mm256_and_si256(u, mask));
+                }
+            }
+        }
+        QFormat::I4 => {
+            for (ci, chunk) in src[..kp / 2].chunks_exact(QCHUNK / 2).enumerate() {
+                let v = unsafe { _mm256_loadu_si256(chunk.as_ptr() as *const __m256i) };
+                let c = ci * QCHUNK;
+                unsafe {
+                    _mm256_storeu_si256(o.add(c) as *mut __m256i, _mm256_and_si256(v, mask));
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                    _mm256_storeu_si256(o.add(c + 32) as *mut __m256i, hi);
+                }
+            }
+        }
+        QFormat::I6 => {
+            let three = _mm256_set1_epi8(3);
+            // Columns 0..32 of a chunk take bits 0-1 (lane 0) and 2-3 (lane 1) of the top-bit
+            // bytes, columns 32..64 bits 4-5 and 6-7.
+            let (sh0, sh1) = (_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6));
+            for (ci, chunk) in src[..kp / QCHUNK * I6_CHUNK_BYTES].chunks_exact(I6_CHUNK_BYTES).enumerate() {
+                let c = ci * QCHUNK;
+                unsafe {
+                    let v = _mm256_loadu_si256(chunk.as_ptr() as *const __m256i);
+                    let tb = _mm256_broadcastsi128_si256(_mm_loadu_si128(chunk.as_ptr().add(32) as *const __m128i));
+                    let h0 = _mm256_and_si256(_mm256_srlv_epi32(tb, sh0), three);
+                    let h1 = _mm256_and_si256(_mm256_srlv_epi32(tb, sh1), three);
+                    _mm256_storeu_si256(o.add(c) as *mut __m256i, h0);
+                    _mm256_storeu_si256(o.add(c + 32) as *mut __m256i, h1);
+                    _mm256_storeu_si256(o.add(kp + c) as *mut __m256i, _mm256_and_si256(v, mask));
+                    let lo1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                    _mm256_storeu_si256(o.add(kp + c + 32) as *mut __m256i, lo1);
+                }
+            }
+        }
+    }
+}
+
+/// A micro-kernel call's operands: the panel's, and the first token's (the others follow at
+/// `kp` values, `kp / 32` block scales and `ng` group sums).
+struct Ops {
+    w: *const u8,
+    s: *const f32,
+    z: *const f32,
+    q: *const i8,
+    d: *const f32,
+    a: *const f32,
+    kp: usize,
+    ng: usize,
+    group: usize,
+    /// Steps of 4 columns per flush (`F / 4`).
+    steps: usize,
+}
+
+/// The panel's 8 rows x `T` tokens into `res[t]`: `P` planes (2: high then low, `u = 16 h +
+/// l`; 1: the values), flushed every `F` columns (32, or 16 for groups of 16); `ROW`: one
+/// scale per row, applied after the sum.
+///
+/// # Safety
+/// AVX2 and FMA; `o` as [`Ops`] describes it for `T` tokens.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR1]) {
+    let nb = o.kp / QBLOCK;
+    let zero = _mm256_setzero_si256();
+    let (c16, c1) = (_mm256_set1_epi16(16), _mm256_set1_epi16(1));
+    let step = P * PLANE;
+    let mut facc = [_mm256_setzero_ps(); T];
+    for c0 in (0..o.kp).step_by(F) {
+        let mut hi = [zero; T];
+        let mut lo = [zero; T];
+        // SAFETY (the loads): step c0 / 4 + s < kp / 4 of the panel; token t's value c0 + 4 s
+        // + 3 < kp.
+        let wb = unsafe { o.w.add(c0 / 4 * step) };
+        let qb = unsafe { o.q.add(c0) };
+        // A run-time trip count (`F / 4` steps): with the constant one LLVM unrolled the steps,
+        // ran the tokens outermost and spilled the 16 weight vectors (whole-model int8 pp512
+        // no faster than the f32 panels).
+        for s in 0..o.steps {
+            let wl = unsafe { _mm256_loadu_si256(wb.add(s * step + (P - 1) * PLANE) as *const __m256i) };
+            let wh = if P == 2 { unsafe { _mm256_loadu_si256(wb.add(s * step) as *const __m256i) } } else { zero };
+            for t in 0..T {
+                let q = _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(qb.add(t * o.kp + 4 * s) as *const i32) });
+                if P == 2 {
+                    hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(wh, q));
+                }
+                lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(wl, q));
+            }
+        }
+        // SAFETY: group c0 / group < ng of the panel's scales.
+        let sv = if ROW { _mm256_setzero_ps() } else { unsafe { _mm256_loadu_ps(o.s.add(c0 / o.group * ROWS)) } };
+        for t in 0..T {
+            let mut i = _mm256_madd_epi16(lo[t], c1);
+            if P == 2 {
+                i = _mm256_add_epi32(i, _mm256_madd_epi16(hi[t], c16));
+            }
+            // SAFETY: block c0 / 32 < nb of token t's scales.
+            let d = _mm256_set1_ps(unsafe { *o.d.add(t * nb + c0 / QBLOCK) });
+            let m = if ROW { d } else { _mm256_mul_ps(sv, d) };
+            facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), m, facc[t]);
+        }
+    }
+    if ROW {
+        // SAFETY: the panel holds ng >= 1 x 8 scales.
+        let s = unsafe { _mm256_loadu_ps(o.s) };
+        for t in 0..T {
+            facc[t] = _mm256_mul_ps(facc[t], s);
+        }
+    }
+    // The zero point and the biases: sum_g (bias - zero scale) A[t, g].
+    for g in 0..o.ng {
+        // SAFETY: g < ng of the panel's zero terms and of each token's group sums.
+        let z = unsafe { _mm256_loadu_ps(o.z.add(g * ROWS)) };
+        for t in 0..T {
+            facc[t] = _mm256_fmadd_ps(z, _mm256_set1_ps(unsafe { *o.a.add(t * o.ng + g) }), facc[t]);
+        }
+    }
+    for t in 0..T {
+        // SAFETY: res[t] holds 8 floats.
+        unsafe { _mm256_storeu_ps(res[t].as_mut_ptr(), facc[t]) };
+    }
+}
