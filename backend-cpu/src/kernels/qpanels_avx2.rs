@@ -128,8 +128,8 @@ struct Panel {
     s: Vec<f32>,
     /// `[ng][8]` `bias - zero scale`.
     z: Vec<f32>,
-    /// One row's planes in column order (`[planes][kp]`), before the interleave.
-    row: Vec<u8>,
+    /// The rows' planes in column order (`[8][planes][kp]`), before the interleave.
+    rows: Vec<u8>,
 }
 
 impl Panel {
@@ -139,7 +139,7 @@ impl Panel {
             w: vec![0; w.kp / 4 * planes * PLANE],
             s: vec![0.0; w.ng * ROWS],
             z: vec![0.0; w.ng * ROWS],
-            row: vec![0; planes * w.kp],
+            rows: vec![0; ROWS * planes * w.kp],
         }
     }
 
@@ -162,19 +162,16 @@ impl Panel {
             QFormat::I4 => 8.0,
         };
         let step = self.planes * PLANE;
+        let width = self.planes * kp;
+        if nr < ROWS {
+            self.rows.fill(0);
+        }
         for j in 0..nr {
             let r = p0 + j;
             let src = &w.packed()[r * rb..(r + 1) * rb];
             // SAFETY: AVX2 (this function's precondition); `src` is one packed row of `w`'s
-            // format and `self.row` holds `planes` x kp bytes.
-            unsafe { unpack_row(w.format, src, kp, &mut self.row) };
-            for p in 0..self.planes {
-                let plane = &self.row[p * kp..(p + 1) * kp];
-                for (i, quad) in plane.chunks_exact(4).enumerate() {
-                    let o = i * step + p * PLANE + 4 * j;
-                    self.w[o..o + 4].copy_from_slice(quad);
-                }
-            }
+            // format and row j of `self.rows` holds `planes` x kp bytes.
+            unsafe { unpack_row(w.format, src, kp, &mut self.rows[j * width..(j + 1) * width]) };
             for g in 0..ng {
                 let scale = w.scales().get(r * ng + g);
                 let bias = w.bias().map_or(0.0, |b| b.get(r * ng + g));
@@ -182,7 +179,60 @@ impl Panel {
                 self.z[g * ROWS + j] = bias + -zero * scale;
             }
         }
+        // Interleave: per plane and 32 columns, the 8 rows' 8 quads (an 8 x 8 transpose of
+        // u32) become 8 steps of 8 rows.
+        for p in 0..self.planes {
+            for c in (0..kp).step_by(32) {
+                let src = self.rows[p * kp + c..].as_ptr();
+                // SAFETY: row j's 32 bytes at p kp + c lie inside `self.rows` (c + 32 <= kp);
+                // steps c / 4 .. c / 4 + 8 of plane p inside `self.w` (kp / 4 steps).
+                unsafe {
+                    let mut v = [_mm256_setzero_si256(); ROWS];
+                    for (j, vj) in v.iter_mut().enumerate() {
+                        *vj = _mm256_loadu_si256(src.add(j * width) as *const __m256i);
+                    }
+                    let t = transpose_8x8_u32(v);
+                    let dst = self.w.as_mut_ptr().add(c / 4 * step + p * PLANE);
+                    for (i, &ti) in t.iter().enumerate() {
+                        _mm256_storeu_si256(dst.add(i * step) as *mut __m256i, ti);
+                    }
+                }
+            }
+        }
     }
+}
+
+/// The 8 x 8 transpose of u32 elements: `out[i]` lane `j` is `v[j]` lane `i`.
+#[target_feature(enable = "avx2")]
+fn transpose_8x8_u32(v: [__m256i; 8]) -> [__m256i; 8] {
+    // Pairs of rows interleaved by u32, then by u64: 4 x 4 blocks within each 128-bit lane.
+    let a0 = _mm256_unpacklo_epi32(v[0], v[1]);
+    let a1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    let a2 = _mm256_unpacklo_epi32(v[2], v[3]);
+    let a3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    let a4 = _mm256_unpacklo_epi32(v[4], v[5]);
+    let a5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    let a6 = _mm256_unpacklo_epi32(v[6], v[7]);
+    let a7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    let b0 = _mm256_unpacklo_epi64(a0, a2);
+    let b1 = _mm256_unpackhi_epi64(a0, a2);
+    let b2 = _mm256_unpacklo_epi64(a1, a3);
+    let b3 = _mm256_unpackhi_epi64(a1, a3);
+    let b4 = _mm256_unpacklo_epi64(a4, a6);
+    let b5 = _mm256_unpackhi_epi64(a4, a6);
+    let b6 = _mm256_unpacklo_epi64(a5, a7);
+    let b7 = _mm256_unpackhi_epi64(a5, a7);
+    // Then the 128-bit halves: rows 0-3 with rows 4-7.
+    [
+        _mm256_permute2x128_si256(b0, b4, 0x20),
+        _mm256_permute2x128_si256(b1, b5, 0x20),
+        _mm256_permute2x128_si256(b2, b6, 0x20),
+        _mm256_permute2x128_si256(b3, b7, 0x20),
+        _mm256_permute2x128_si256(b0, b4, 0x31),
+        _mm256_permute2x128_si256(b1, b5, 0x31),
+        _mm256_permute2x128_si256(b2, b6, 0x31),
+        _mm256_permute2x128_si256(b3, b7, 0x31),
+    ]
 }
 
 /// One packed row of `format` (`kp` columns) into planes of unsigned 4-bit values `u = q +
