@@ -5,13 +5,15 @@
 //!
 //! `vpmaddubsw` multiplies unsigned weight bytes by signed activation bytes and sums pairs into
 //! 16-bit lanes. A lane stays exact over 32 columns (16 products) only while a weight byte is at
-//! most 15 (16 x 15 x 127 = 30480 < 2^15). So each weight is held as unsigned `u = q + zero` cut
-//! into planes of at most 4 bits: int8 `u = q + 128 = 16 h + l` (two nibble planes), int6
-//! `u = q + 32 = 16 h + l` (`h` its top 2 bits), int4 the nibble itself (one plane). A panel of 8
+//! most 15 (16 x 15 x 127 = 30480 < 2^15). So each weight is held as unsigned `u = q + zero`:
+//! int8 `u = q + 128 = 16 h + l` in two nibble planes, int4 the nibble itself (one plane), int6
+//! `u = q + 32` (at most 63) in one plane whose 16-bit sums hold two steps only. A panel of 8
 //! rows is unpacked once per call into `[kp / 4][planes][8 rows][4 columns]` bytes; per 4 columns
 //! the micro-kernel loads the planes once and, for each token, broadcasts its 4 activation bytes
-//! and issues one `vpmaddubsw` and one `vpaddw` per plane. Every 32 columns (16 where groups are
-//! 16) the planes' 16-bit sums are combined in i32 (`vpmaddwd` by 16 and by 1), converted to f32
+//! and issues one `vpmaddubsw` and one `vpaddw` per plane (int6: per two steps two
+//! `vpmaddubsw`, a `vpaddw` and a `vpmaddwd` by 1 into i32, 3 multiply-port operations where two
+//! nibble planes take 4: int4-mix pp512 +4 %). Every 32 columns (16 where groups are 16) the
+//! 16-bit sums go to i32 (`vpmaddwd` by 16 and by 1 for the two planes), are converted to f32
 //! and added with the weight row's scale times the activation block's (one FMA; per-row scales
 //! are applied once at the end instead). The zero point and the biases come off as in
 //! [`super::qprefill_avx2`]: `sum_g (bias[r, g] - zero scale[r, g]) A[t, g]`.
@@ -54,7 +56,8 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
     let m = w.rows;
     assert_eq!(out.len(), n * m, "qpanels_avx2: out has the wrong size");
     let act = QAct::quantize_spans(super::QSimd::Avx2, x, n, k, w, 1);
-    let planes = if w.format == QFormat::I4 { 1 } else { 2 };
+    let planes = if w.format == QFormat::I8 { 2 } else { 1 };
+    let six = w.format == QFormat::I6;
     let row_scale = w.ng == 1;
     // Columns per flush: the 16-bit sums stay exact over 32; groups of 16 (or any not a multiple
     // of 32) flush per 16, so each flush lies in one group.
@@ -93,19 +96,25 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
                 // `tb` tokens of kp values, nb block scales and ng group sums start at the token
                 // pointers.
                 unsafe {
-                    match (planes, row_scale, flush, tb) {
-                        (2, true, _, MR2) => tile::<MR2, 2, true, QBLOCK>(&ops, &mut res),
-                        (2, true, _, _) => tile::<1, 2, true, QBLOCK>(&ops, &mut res),
-                        (2, false, QBLOCK, MR2) => tile::<MR2, 2, false, QBLOCK>(&ops, &mut res),
-                        (2, false, QBLOCK, _) => tile::<1, 2, false, QBLOCK>(&ops, &mut res),
-                        (2, false, _, MR2) => tile::<MR2, 2, false, 16>(&ops, &mut res),
-                        (2, false, _, _) => tile::<1, 2, false, 16>(&ops, &mut res),
-                        (_, true, _, MR1) => tile::<MR1, 1, true, QBLOCK>(&ops, &mut res),
-                        (_, true, _, _) => tile::<1, 1, true, QBLOCK>(&ops, &mut res),
-                        (_, false, QBLOCK, MR1) => tile::<MR1, 1, false, QBLOCK>(&ops, &mut res),
-                        (_, false, QBLOCK, _) => tile::<1, 1, false, QBLOCK>(&ops, &mut res),
-                        (_, false, _, MR1) => tile::<MR1, 1, false, 16>(&ops, &mut res),
-                        (_, false, _, _) => tile::<1, 1, false, 16>(&ops, &mut res),
+                    match (planes, six, row_scale, flush, tb) {
+                        (2, _, true, _, MR2) => tile::<MR2, 2, true, QBLOCK>(&ops, &mut res),
+                        (2, _, true, _, _) => tile::<1, 2, true, QBLOCK>(&ops, &mut res),
+                        (2, _, false, QBLOCK, MR2) => tile::<MR2, 2, false, QBLOCK>(&ops, &mut res),
+                        (2, _, false, QBLOCK, _) => tile::<1, 2, false, QBLOCK>(&ops, &mut res),
+                        (2, _, false, _, MR2) => tile::<MR2, 2, false, 16>(&ops, &mut res),
+                        (2, _, false, _, _) => tile::<1, 2, false, 16>(&ops, &mut res),
+                        (_, true, true, _, MR1) => tile::<MR1, 6, true, QBLOCK>(&ops, &mut res),
+                        (_, true, true, _, _) => tile::<1, 6, true, QBLOCK>(&ops, &mut res),
+                        (_, true, false, QBLOCK, MR1) => tile::<MR1, 6, false, QBLOCK>(&ops, &mut res),
+                        (_, true, false, QBLOCK, _) => tile::<1, 6, false, QBLOCK>(&ops, &mut res),
+                        (_, true, false, _, MR1) => tile::<MR1, 6, false, 16>(&ops, &mut res),
+                        (_, true, false, _, _) => tile::<1, 6, false, 16>(&ops, &mut res),
+                        (_, _, true, _, MR1) => tile::<MR1, 1, true, QBLOCK>(&ops, &mut res),
+                        (_, _, true, _, _) => tile::<1, 1, true, QBLOCK>(&ops, &mut res),
+                        (_, _, false, QBLOCK, MR1) => tile::<MR1, 1, false, QBLOCK>(&ops, &mut res),
+                        (_, _, false, QBLOCK, _) => tile::<1, 1, false, QBLOCK>(&ops, &mut res),
+                        (_, _, false, _, MR1) => tile::<MR1, 1, false, 16>(&ops, &mut res),
+                        (_, _, false, _, _) => tile::<1, 1, false, 16>(&ops, &mut res),
                     }
                 }
                 for (i, r) in res.iter().enumerate().take(tb) {
@@ -235,9 +244,9 @@ fn transpose_8x8_u32(v: [__m256i; 8]) -> [__m256i; 8] {
     ]
 }
 
-/// One packed row of `format` (`kp` columns) into planes of unsigned 4-bit values `u = q +
-/// zero` in column order: `out[..kp]` the high plane, `out[kp..2 kp]` the low one (int8, int6),
-/// or `out[..kp]` the nibbles (int4).
+/// One packed row of `format` (`kp` columns) into planes of unsigned values `u = q + zero` in
+/// column order: for int8 `out[..kp]` the high nibbles, `out[kp..2 kp]` the low ones; for int6
+/// and int4 `out[..kp]` the values themselves (6 and 4 bits).
 ///
 /// # Safety
 /// AVX2; `src` holds the row's bytes in [`QMat`]'s layout, `out` at least planes x `kp` bytes.
@@ -281,13 +290,14 @@ unsafe fn unpack_row(format: QFormat, src: &[u8], kp: usize, out: &mut [u8]) {
                 unsafe {
                     let v = _mm256_loadu_si256(chunk.as_ptr() as *const __m256i);
                     let tb = _mm256_broadcastsi128_si256(_mm_loadu_si128(chunk.as_ptr().add(32) as *const __m128i));
-                    let h0 = _mm256_and_si256(_mm256_srlv_epi32(tb, sh0), three);
-                    let h1 = _mm256_and_si256(_mm256_srlv_epi32(tb, sh1), three);
-                    _mm256_storeu_si256(o.add(c) as *mut __m256i, h0);
-                    _mm256_storeu_si256(o.add(c + 32) as *mut __m256i, h1);
-                    _mm256_storeu_si256(o.add(kp + c) as *mut __m256i, _mm256_and_si256(v, mask));
+                    // The top bits to bits 4-5 (no carry across bytes: at most 48), or'd with the
+                    // low nibbles: the 6-bit values.
+                    let h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(tb, sh0), three), 4);
+                    let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi32(tb, sh1), three), 4);
+                    let lo0 = _mm256_and_si256(v, mask);
                     let lo1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                    _mm256_storeu_si256(o.add(kp + c + 32) as *mut __m256i, lo1);
+                    _mm256_storeu_si256(o.add(c) as *mut __m256i, _mm256_or_si256(h0, lo0));
+                    _mm256_storeu_si256(o.add(c + 32) as *mut __m256i, _mm256_or_si256(h1, lo1));
                 }
             }
         }
@@ -310,9 +320,9 @@ struct Ops {
     steps: usize,
 }
 
-/// The panel's 8 rows x `T` tokens into `res[t]`: `P` planes (2: high then low, `u = 16 h +
-/// l`; 1: the values), flushed every `F` columns (32, or 16 for groups of 16); `ROW`: one
-/// scale per row, applied after the sum.
+/// The panel's 8 rows x `T` tokens into `res[t]`: `P` planes (2: high then low nibbles, `u =
+/// 16 h + l`; 1: 4-bit values; 6: one plane of 6-bit values), flushed every `F` columns (32, or
+/// 16 for groups of 16); `ROW`: one scale per row, applied after the sum.
 ///
 /// # Safety
 /// AVX2 and FMA; `o` as [`Ops`] describes it for `T` tokens.
@@ -322,7 +332,7 @@ unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(
     let nb = o.kp / QBLOCK;
     let zero = _mm256_setzero_si256();
     let (c16, c1) = (_mm256_set1_epi16(16), _mm256_set1_epi16(1));
-    let step = P * PLANE;
+    let step = if P == 2 { 2 * PLANE } else { PLANE };
     let mut facc = [_mm256_setzero_ps(); T];
     for c0 in (0..o.kp).step_by(F) {
         let mut hi = [zero; T];
@@ -334,21 +344,39 @@ unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(
         // A run-time trip count (`F / 4` steps): with the constant one LLVM unrolled the steps,
         // ran the tokens outermost and spilled the 16 weight vectors (whole-model int8 pp512
         // no faster than the f32 panels).
-        for s in 0..o.steps {
-            let wl = unsafe { _mm256_loadu_si256(wb.add(s * step + (P - 1) * PLANE) as *const __m256i) };
-            let wh = if P == 2 { unsafe { _mm256_loadu_si256(wb.add(s * step) as *const __m256i) } } else { zero };
-            for t in 0..T {
-                let q = _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(qb.add(t * o.kp + 4 * s) as *const i32) });
-                if P == 2 {
-                    hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(wh, q));
+        if P == 6 {
+            // 6-bit values (at most 63): a pair's 16-bit sum holds two steps (4 products of at
+            // most 63 x 127 = 32004 < 2^15), then it goes to i32 (in `lo`).
+            for s in (0..o.steps).step_by(2) {
+                let w0 = unsafe { _mm256_loadu_si256(wb.add(s * step) as *const __m256i) };
+                let w1 = unsafe { _mm256_loadu_si256(wb.add((s + 1) * step) as *const __m256i) };
+                for t in 0..T {
+                    let qt = unsafe { qb.add(t * o.kp + 4 * s) };
+                    let q0 = _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(qt as *const i32) });
+                    let q1 = _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(qt.add(4) as *const i32) });
+                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, q0), _mm256_maddubs_epi16(w1, q1));
+                    lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(p, c1));
                 }
-                lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(wl, q));
+            }
+        } else {
+            for s in 0..o.steps {
+                let wl =
+                    unsafe { _mm256_loadu_si256(wb.add(s * step + if P == 2 { PLANE } else { 0 }) as *const __m256i) };
+                let wh = if P == 2 { unsafe { _mm256_loadu_si256(wb.add(s * step) as *const __m256i) } } else { zero };
+                for t in 0..T {
+                    let q =
+                        _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(qb.add(t * o.kp + 4 * s) as *const i32) });
+                    if P == 2 {
+                        hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(wh, q));
+                    }
+                    lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(wl, q));
+                }
             }
         }
         // SAFETY: group c0 / group < ng of the panel's scales.
         let sv = if ROW { _mm256_setzero_ps() } else { unsafe { _mm256_loadu_ps(o.s.add(c0 / o.group * ROWS)) } };
         for t in 0..T {
-            let mut i = _mm256_madd_epi16(lo[t], c1);
+            let mut i = if P == 6 { lo[t] } else { _mm256_madd_epi16(lo[t], c1) };
             if P == 2 {
                 i = _mm256_add_epi32(i, _mm256_madd_epi16(hi[t], c16));
             }
