@@ -233,9 +233,13 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
 /// Rows of a packed panel: 16 weight rows interleaved as `[k][16]` f32.
 pub const PANEL: usize = 16;
 
-/// Transpose an 8x8 block of f32 held in 8 registers.
+/// Transpose an 8x8 block of f32 held in 8 registers (shuffles only, so any 32-bit lanes: the
+/// integer prefill panels transpose bytes in fours with it, [`super::qpanels_avx2`]).
+///
+/// # Safety
+/// AVX.
 #[inline(always)]
-unsafe fn transpose8(r: &mut [__m256; 8]) {
+pub(super) unsafe fn transpose8(r: &mut [__m256; 8]) {
     let t0 = _mm256_unpacklo_ps(r[0], r[1]);
     let t1 = _mm256_unpackhi_ps(r[0], r[1]);
     let t2 = _mm256_unpacklo_ps(r[2], r[3]);

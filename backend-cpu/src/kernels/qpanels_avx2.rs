@@ -196,52 +196,19 @@ impl Panel {
                 // SAFETY: row j's 32 bytes at p kp + c lie inside `self.rows` (c + 32 <= kp);
                 // steps c / 4 .. c / 4 + 8 of plane p inside `self.w` (kp / 4 steps).
                 unsafe {
-                    let mut v = [_mm256_setzero_si256(); ROWS];
+                    let mut v = [_mm256_setzero_ps(); ROWS];
                     for (j, vj) in v.iter_mut().enumerate() {
-                        *vj = _mm256_loadu_si256(src.add(j * width) as *const __m256i);
+                        *vj = _mm256_loadu_ps(src.add(j * width) as *const f32);
                     }
-                    let t = transpose_8x8_u32(v);
+                    super::avx2::transpose8(&mut v);
                     let dst = self.w.as_mut_ptr().add(c / 4 * step + p * PLANE);
-                    for (i, &ti) in t.iter().enumerate() {
-                        _mm256_storeu_si256(dst.add(i * step) as *mut __m256i, ti);
+                    for (i, &vi) in v.iter().enumerate() {
+                        _mm256_storeu_ps(dst.add(i * step) as *mut f32, vi);
                     }
                 }
             }
         }
     }
-}
-
-/// The 8 x 8 transpose of u32 elements: `out[i]` lane `j` is `v[j]` lane `i`.
-#[target_feature(enable = "avx2")]
-fn transpose_8x8_u32(v: [__m256i; 8]) -> [__m256i; 8] {
-    // Pairs of rows interleaved by u32, then by u64: 4 x 4 blocks within each 128-bit lane.
-    let a0 = _mm256_unpacklo_epi32(v[0], v[1]);
-    let a1 = _mm256_unpackhi_epi32(v[0], v[1]);
-    let a2 = _mm256_unpacklo_epi32(v[2], v[3]);
-    let a3 = _mm256_unpackhi_epi32(v[2], v[3]);
-    let a4 = _mm256_unpacklo_epi32(v[4], v[5]);
-    let a5 = _mm256_unpackhi_epi32(v[4], v[5]);
-    let a6 = _mm256_unpacklo_epi32(v[6], v[7]);
-    let a7 = _mm256_unpackhi_epi32(v[6], v[7]);
-    let b0 = _mm256_unpacklo_epi64(a0, a2);
-    let b1 = _mm256_unpackhi_epi64(a0, a2);
-    let b2 = _mm256_unpacklo_epi64(a1, a3);
-    let b3 = _mm256_unpackhi_epi64(a1, a3);
-    let b4 = _mm256_unpacklo_epi64(a4, a6);
-    let b5 = _mm256_unpackhi_epi64(a4, a6);
-    let b6 = _mm256_unpacklo_epi64(a5, a7);
-    let b7 = _mm256_unpackhi_epi64(a5, a7);
-    // Then the 128-bit halves: rows 0-3 with rows 4-7.
-    [
-        _mm256_permute2x128_si256(b0, b4, 0x20),
-        _mm256_permute2x128_si256(b1, b5, 0x20),
-        _mm256_permute2x128_si256(b2, b6, 0x20),
-        _mm256_permute2x128_si256(b3, b7, 0x20),
-        _mm256_permute2x128_si256(b0, b4, 0x31),
-        _mm256_permute2x128_si256(b1, b5, 0x31),
-        _mm256_permute2x128_si256(b2, b6, 0x31),
-        _mm256_permute2x128_si256(b3, b7, 0x31),
-    ]
 }
 
 /// One packed row of `format` (`kp` columns) into planes of unsigned values `u = q + zero` in
