@@ -33,22 +33,21 @@
 
 use std::arch::x86_64::*;
 
-use rayon::prelude::*;
 use spark_core::quant::QFormat;
 use spark_core::DType;
 
 use super::qmatmul::{QAct, QMat, I6_CHUNK_BYTES, QBLOCK, QCHUNK};
-use super::SharedOut;
+// Panels of 8 weight rows (one vector of 4-column groups per plane), at most 6 tokens per call:
+// the driver's ([`super::qprefill_avx2::run_panels`]).
+use super::qprefill_avx2::{MR, ROWS};
 
-/// Weight rows per panel (one vector of 4-column groups per plane).
-const ROWS: usize = 8;
 /// Bytes of one plane per micro-kernel step (4 columns of 8 rows).
 const PLANE: usize = 32;
 /// Most tokens per micro-kernel call with two planes: `3 T` accumulators, two planes, the
 /// broadcast and a product fill the 16 registers at 4.
 const MR2: usize = 4;
 /// Most tokens per micro-kernel call with one plane (`2 T + 3` registers).
-const MR1: usize = 6;
+const MR1: usize = MR;
 
 /// `out = round(x W^T)` for `w` (no integer sub-scales) at the AVX2 level, `x` `[n, k]`, on the
 /// panels this module describes. The caller ([`super::qprefill_avx2::matmul`]) checked AVX2.
@@ -65,67 +64,55 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
     let mr = if planes == 2 { MR2 } else { MR1 };
     let (kp, ng) = (w.kp, w.ng);
     let nb = kp / QBLOCK;
-    let chunk = super::row_chunk(m, ROWS);
-    let outp = SharedOut(out.as_mut_ptr());
-    (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let r0 = c * chunk;
-        let r1 = (r0 + chunk).min(m);
-        let mut panel = Panel::new(w, planes);
-        for p0 in (r0..r1).step_by(ROWS) {
-            // SAFETY: the caller checked the AVX2 level.
-            unsafe { panel.pack(w, p0) };
-            let rows = ROWS.min(r1 - p0);
-            let mut t = 0;
-            while t < n {
-                let tb = if n - t >= mr { mr } else { 1 };
-                let ops = Ops {
-                    w: panel.w.as_ptr(),
-                    s: panel.s.as_ptr(),
-                    z: panel.z.as_ptr(),
-                    q: act.q[t * kp..].as_ptr(),
-                    d: act.d[t * nb..].as_ptr(),
-                    a: act.a[t * ng..].as_ptr(),
-                    kp,
-                    ng,
-                    group: w.group,
-                    steps: flush / 4,
-                };
-                let mut res = [[0.0f32; ROWS]; MR1];
-                // SAFETY: AVX2 with FMA (QSimd's AVX2 level, checked by the caller); the panel
-                // holds kp / 4 steps of `planes` x 32 bytes and ng x 8 scales and zero terms;
-                // `tb` tokens of kp values, nb block scales and ng group sums start at the token
-                // pointers.
-                unsafe {
-                    match (planes, six, row_scale, flush, tb) {
-                        (2, _, true, _, MR2) => tile::<MR2, 2, true, QBLOCK>(&ops, &mut res),
-                        (2, _, true, _, _) => tile::<1, 2, true, QBLOCK>(&ops, &mut res),
-                        (2, _, false, QBLOCK, MR2) => tile::<MR2, 2, false, QBLOCK>(&ops, &mut res),
-                        (2, _, false, QBLOCK, _) => tile::<1, 2, false, QBLOCK>(&ops, &mut res),
-                        (2, _, false, _, MR2) => tile::<MR2, 2, false, 16>(&ops, &mut res),
-                        (2, _, false, _, _) => tile::<1, 2, false, 16>(&ops, &mut res),
-                        (_, true, true, _, MR1) => tile::<MR1, 6, true, QBLOCK>(&ops, &mut res),
-                        (_, true, true, _, _) => tile::<1, 6, true, QBLOCK>(&ops, &mut res),
-                        (_, true, false, QBLOCK, MR1) => tile::<MR1, 6, false, QBLOCK>(&ops, &mut res),
-                        (_, true, false, QBLOCK, _) => tile::<1, 6, false, QBLOCK>(&ops, &mut res),
-                        (_, true, false, _, MR1) => tile::<MR1, 6, false, 16>(&ops, &mut res),
-                        (_, true, false, _, _) => tile::<1, 6, false, 16>(&ops, &mut res),
-                        (_, _, true, _, MR1) => tile::<MR1, 1, true, QBLOCK>(&ops, &mut res),
-                        (_, _, true, _, _) => tile::<1, 1, true, QBLOCK>(&ops, &mut res),
-                        (_, _, false, QBLOCK, MR1) => tile::<MR1, 1, false, QBLOCK>(&ops, &mut res),
-                        (_, _, false, QBLOCK, _) => tile::<1, 1, false, QBLOCK>(&ops, &mut res),
-                        (_, _, false, _, MR1) => tile::<MR1, 1, false, 16>(&ops, &mut res),
-                        (_, _, false, _, _) => tile::<1, 1, false, 16>(&ops, &mut res),
-                    }
+    super::qprefill_avx2::run_panels(
+        n,
+        m,
+        |rem| if rem >= mr { mr } else { 1 },
+        || Panel::new(w, planes),
+        // SAFETY: the caller checked the AVX2 level.
+        |panel, p0| unsafe { panel.pack(w, p0) },
+        |panel, t, tb, res| {
+            let ops = Ops {
+                w: panel.w.as_ptr(),
+                s: panel.s.as_ptr(),
+                z: panel.z.as_ptr(),
+                q: act.q[t * kp..].as_ptr(),
+                d: act.d[t * nb..].as_ptr(),
+                a: act.a[t * ng..].as_ptr(),
+                kp,
+                ng,
+                group: w.group,
+                steps: flush / 4,
+            };
+            // SAFETY: AVX2 with FMA (QSimd's AVX2 level, checked by the caller); the panel holds
+            // kp / 4 steps of `planes` x 32 bytes and ng x 8 scales and zero terms; `tb` tokens
+            // of kp values, nb block scales and ng group sums start at the token pointers.
+            unsafe {
+                match (planes, six, row_scale, flush, tb) {
+                    (2, _, true, _, MR2) => tile::<MR2, 2, true, QBLOCK>(&ops, res),
+                    (2, _, true, _, _) => tile::<1, 2, true, QBLOCK>(&ops, res),
+                    (2, _, false, QBLOCK, MR2) => tile::<MR2, 2, false, QBLOCK>(&ops, res),
+                    (2, _, false, QBLOCK, _) => tile::<1, 2, false, QBLOCK>(&ops, res),
+                    (2, _, false, _, MR2) => tile::<MR2, 2, false, 16>(&ops, res),
+                    (2, _, false, _, _) => tile::<1, 2, false, 16>(&ops, res),
+                    (_, true, true, _, MR1) => tile::<MR1, 6, true, QBLOCK>(&ops, res),
+                    (_, true, true, _, _) => tile::<1, 6, true, QBLOCK>(&ops, res),
+                    (_, true, false, QBLOCK, MR1) => tile::<MR1, 6, false, QBLOCK>(&ops, res),
+                    (_, true, false, QBLOCK, _) => tile::<1, 6, false, QBLOCK>(&ops, res),
+                    (_, true, false, _, MR1) => tile::<MR1, 6, false, 16>(&ops, res),
+                    (_, true, false, _, _) => tile::<1, 6, false, 16>(&ops, res),
+                    (_, _, true, _, MR1) => tile::<MR1, 1, true, QBLOCK>(&ops, res),
+                    (_, _, true, _, _) => tile::<1, 1, true, QBLOCK>(&ops, res),
+                    (_, _, false, QBLOCK, MR1) => tile::<MR1, 1, false, QBLOCK>(&ops, res),
+                    (_, _, false, QBLOCK, _) => tile::<1, 1, false, QBLOCK>(&ops, res),
+                    (_, _, false, _, MR1) => tile::<MR1, 1, false, 16>(&ops, res),
+                    (_, _, false, _, _) => tile::<1, 1, false, 16>(&ops, res),
                 }
-                for (i, r) in res.iter().enumerate().take(tb) {
-                    // SAFETY: t + i < n and p0 + rows <= r1 <= m; rows [r0, r1) belong to this
-                    // task only.
-                    unsafe { outp.put_rounded((t + i) * m + p0, &r[..rows], round) };
-                }
-                t += tb;
             }
-        }
-    });
+        },
+        out,
+        round,
+    );
 }
 
 /// One panel's operands: rows `p0..p0 + 8` (zero weights past the matrix's last row).
@@ -295,7 +282,7 @@ struct Ops {
 /// AVX2 and FMA; `o` as [`Ops`] describes it for `T` tokens.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR1]) {
+unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR]) {
     let nb = o.kp / QBLOCK;
     let zero = _mm256_setzero_si256();
     let (c16, c1) = (_mm256_set1_epi16(16), _mm256_set1_epi16(1));

@@ -41,11 +41,11 @@ use super::SharedOut;
 /// Weight rows per panel (one vector of 4-column groups). A panel of 8 rows (16 KiB at 2048
 /// columns) stays in L1 while every token runs over it; with 16 rows (two vectors per step)
 /// whole-model pp512 was 7 % slower (medians of 4 interleaved runs: 34.95 against 37.6 tok/s).
-const ROWS: usize = 8;
+pub(super) const ROWS: usize = 8;
 /// Bytes per micro-kernel step of a panel (4 columns of 8 rows).
 const STEP: usize = 32;
 /// Most tokens per micro-kernel call ([`tile`]).
-const MR: usize = 6;
+pub(super) const MR: usize = 6;
 
 /// Fewest tokens for [`matmul`] (the panels' packing is paid once per call): at 16 tokens the
 /// row-major super-block kernel ([`super::qavx2`]) was ahead (kernel bench, one thread, 1.7B
@@ -151,45 +151,73 @@ pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: D
     assert_eq!(out.len(), n * m, "qprefill_avx2: out has the wrong size");
     let act = QAct::quantize_spans(super::QSimd::Avx2, x, n, k, w, SUPER_BLOCKS);
     let (kp, nb, ng) = (w.kp, w.kp / QBLOCK, w.ng);
+    run_panels(
+        n,
+        m,
+        |rem| MR.min(rem),
+        || Panel::new(w),
+        // SAFETY: takes() checked the AVX2 level.
+        |panel, p0| unsafe { panel.pack(w, p0) },
+        |panel, t, tb, res| {
+            let ops = Ops {
+                w: panel.w.as_ptr(),
+                k: panel.k.as_ptr(),
+                u: panel.u.as_ptr(),
+                z: panel.z.as_ptr(),
+                q: act.q[t * kp..].as_ptr(),
+                d: act.d[t * nb..].as_ptr(),
+                a: act.a[t * ng..].as_ptr(),
+                kp,
+                ng,
+            };
+            // SAFETY: takes() checked AVX2 (with FMA and F16C, QSimd's AVX2 level); the panel
+            // holds kp / 4 x 32 bytes, nb x 8 sub-scales, nsb x 8 units and ng x 8 bias terms;
+            // `tb` tokens of kp values, nb scales and ng group sums start at the token pointers.
+            unsafe {
+                match tb {
+                    6 => tile::<6>(&ops, res),
+                    5 => tile::<5>(&ops, res),
+                    4 => tile::<4>(&ops, res),
+                    3 => tile::<3>(&ops, res),
+                    2 => tile::<2>(&ops, res),
+                    _ => tile::<1>(&ops, res),
+                }
+            }
+        },
+        out,
+        round,
+    );
+}
+
+/// The panel driver of this module and of [`super::qpanels_avx2`]: rows `0..m` in chunks over
+/// the rayon pool; in each chunk, panels of 8 rows packed once (`pack(panel, p0)`), then the
+/// `n` tokens in tiles of `pick(remaining)` (at most [`MR`]) through `tile(panel, t, tb,
+/// res)`, whose `res[i]` (token `t + i`, the panel's rows) goes to `out` rounded as `round`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run_panels<P>(
+    n: usize,
+    m: usize,
+    pick: impl Fn(usize) -> usize + Sync,
+    new_panel: impl Fn() -> P + Sync,
+    pack: impl Fn(&mut P, usize) + Sync,
+    tile: impl Fn(&P, usize, usize, &mut [[f32; ROWS]; MR]) + Sync,
+    out: &mut [f32],
+    round: DType,
+) {
     let chunk = super::row_chunk(m, ROWS);
     let outp = SharedOut(out.as_mut_ptr());
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let r0 = c * chunk;
         let r1 = (r0 + chunk).min(m);
-        let mut panel = Panel::new(w);
+        let mut panel = new_panel();
         for p0 in (r0..r1).step_by(ROWS) {
-            // SAFETY: takes() checked the AVX2 level.
-            unsafe { panel.pack(w, p0) };
+            pack(&mut panel, p0);
             let rows = ROWS.min(r1 - p0);
             let mut t = 0;
             while t < n {
-                let tb = MR.min(n - t);
-                let ops = Ops {
-                    w: panel.w.as_ptr(),
-                    k: panel.k.as_ptr(),
-                    u: panel.u.as_ptr(),
-                    z: panel.z.as_ptr(),
-                    q: act.q[t * kp..].as_ptr(),
-                    d: act.d[t * nb..].as_ptr(),
-                    a: act.a[t * ng..].as_ptr(),
-                    kp,
-                    ng,
-                };
+                let tb = pick(n - t).clamp(1, MR);
                 let mut res = [[0.0f32; ROWS]; MR];
-                // SAFETY: takes() checked AVX2 (with FMA and F16C, QSimd's AVX2 level); the panel
-                // holds kp / 4 x 32 bytes, nb x 8 sub-scales, nsb x 8 units and ng x 8 bias
-                // terms; `tb` tokens of kp values, nb scales and ng group sums start at the
-                // token pointers.
-                unsafe {
-                    match tb {
-                        6 => tile::<6>(&ops, &mut res),
-                        5 => tile::<5>(&ops, &mut res),
-                        4 => tile::<4>(&ops, &mut res),
-                        3 => tile::<3>(&ops, &mut res),
-                        2 => tile::<2>(&ops, &mut res),
-                        _ => tile::<1>(&ops, &mut res),
-                    }
-                }
+                tile(&panel, t, tb, &mut res);
                 for (i, r) in res.iter().enumerate().take(tb) {
                     // SAFETY: t + i < n and p0 + rows <= r1 <= m; rows [r0, r1) belong to this
                     // task only.
