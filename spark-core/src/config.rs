@@ -292,6 +292,9 @@ impl ModelConfig {
             }
         }
         let max_positions = opt_usize(obj, "max_position_embeddings")?.unwrap_or(1 << 20);
+        if max_positions == 0 {
+            return Err(Error::model("config.json: 'max_position_embeddings' must be > 0, got 0"));
+        }
         let dtype_name = opt_str(obj, "dtype")?.or(opt_str(obj, "torch_dtype")?).unwrap_or("bfloat16");
         let dtype = DType::parse(dtype_name).map_err(|_| {
             Error::unsupported(format!(

@@ -177,3 +177,143 @@ fn executor_rejects_bad_steps() {
     let d = before.iter().zip(&out).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     assert!(d < 1e-5, "rewound logits differ by {d:e}");
 }
+
+/// Every field of config.json set to a wrong value (zero, negative, fractional, huge, another
+/// type, absent) is refused with an error naming config.json, or loads and runs one step:
+/// never a panic. `SPARK_SHOW_LOADED=1` lists the values that loaded (ignored fields, defaults,
+/// values that are valid after all).
+#[test]
+fn bad_config_values_are_errors_not_panics() {
+    let text = std::fs::read_to_string(golden_dir().join("config.json")).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // Paths to every leaf (object keys and array indices).
+    fn leaves(v: &serde_json::Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, c) in m {
+                    path.push(k.clone());
+                    leaves(c, path, out);
+                    path.pop();
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for (i, c) in a.iter().enumerate() {
+                    path.push(i.to_string());
+                    leaves(c, path, out);
+                    path.pop();
+                }
+            }
+            _ => out.push(path.clone()),
+        }
+    }
+    let mut paths = Vec::new();
+    leaves(&cfg, &mut Vec::new(), &mut paths);
+    let bad = [
+        serde_json::json!(0),
+        serde_json::json!(-1),
+        serde_json::json!(3),
+        serde_json::json!(0.5),
+        serde_json::json!(1e30),
+        serde_json::json!(u64::MAX),
+        serde_json::json!("x"),
+        serde_json::json!(null),
+        serde_json::json!([]),
+        serde_json::Value::Null, // stands for: the field removed
+    ];
+    let d = tempfile::tempdir().unwrap();
+    std::fs::copy(golden_dir().join("model.safetensors"), d.path().join("model.safetensors")).unwrap();
+    let (mut refused, mut loaded, mut wrong) = (0, 0, Vec::new());
+    for path in &paths {
+        for (i, value) in bad.iter().enumerate() {
+            let mut c = cfg.clone();
+            let (last, parents) = path.split_last().unwrap();
+            let mut node = &mut c;
+            for k in parents {
+                node = if node.is_array() { &mut node[k.parse::<usize>().unwrap()] } else { &mut node[k.as_str()] };
+            }
+            let remove = i == bad.len() - 1;
+            match node {
+                serde_json::Value::Object(m) if remove => {
+                    m.remove(last);
+                }
+                serde_json::Value::Array(a) if remove => {
+                    a.remove(last.parse::<usize>().unwrap());
+                }
+                serde_json::Value::Object(m) => {
+                    m.insert(last.clone(), value.clone());
+                }
+                serde_json::Value::Array(a) => a[last.parse::<usize>().unwrap()] = value.clone(),
+                _ => unreachable!(),
+            }
+            std::fs::write(d.path().join("config.json"), serde_json::to_string(&c).unwrap()).unwrap();
+            let what =
+                format!("{} = {}", path.join("."), if remove { "(removed)".to_string() } else { value.to_string() });
+            let r = std::panic::catch_unwind(|| {
+                let mut m = Model::load(CpuBackend::new(Some(1)).unwrap(), d.path(), &ModelOptions::default())?;
+                let mut out = vec![0.0; m.info().vocab];
+                let step = SeqStep { seq_id: 1, tokens: &[1, 2, 3], start_pos: 0, logits: LogitsMode::Last };
+                m.forward(&[step], &mut out)
+            });
+            match r {
+                Ok(Ok(())) => {
+                    if std::env::var_os("SPARK_SHOW_LOADED").is_some() {
+                        eprintln!("loaded: {what}");
+                    }
+                    loaded += 1
+                }
+                Ok(Err(e)) if e.message.contains("config.json") => refused += 1,
+                Ok(Err(e)) => wrong.push(format!("{what}: the error does not name config.json: {e}")),
+                Err(_) => wrong.push(format!("{what}: loading or running panicked")),
+            }
+        }
+    }
+    eprintln!("bad config values: {refused} refused, {loaded} loaded and ran");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// Random damage to model.safetensors' header (its length prefix and JSON) never panics: each
+/// damaged file is refused with an error naming it (or the checkpoint and the tensor a damaged
+/// name no longer matches), or loads and runs one step.
+#[test]
+fn damaged_safetensors_headers_are_errors_not_panics() {
+    let bytes = std::fs::read(golden_dir().join("model.safetensors")).unwrap();
+    let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let d = tempfile::tempdir().unwrap();
+    copy_config(d.path());
+    let p = d.path().join("model.safetensors");
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    // Bytes that turn JSON into other valid JSON as often as into garbage.
+    let alphabet = b"0123456789[]{}\":,.-eE \\FBUI";
+    let (mut refused, mut loaded, mut wrong) = (0, 0, Vec::new());
+    for case in 0..300 {
+        let mut b = bytes.clone();
+        for _ in 0..1 + next() % 3 {
+            let at = (next() % header_end as u64) as usize;
+            b[at] = if next() % 2 == 0 { alphabet[(next() % alphabet.len() as u64) as usize] } else { next() as u8 };
+        }
+        std::fs::write(&p, &b).unwrap();
+        let r = std::panic::catch_unwind(|| {
+            let mut m = Model::load(CpuBackend::new(Some(1)).unwrap(), d.path(), &ModelOptions::default())?;
+            let mut out = vec![0.0; m.info().vocab];
+            let step = SeqStep { seq_id: 1, tokens: &[1, 2, 3], start_pos: 0, logits: LogitsMode::Last };
+            m.forward(&[step], &mut out)
+        });
+        match r {
+            Ok(Ok(())) => loaded += 1,
+            Ok(Err(e)) if e.message.contains("model.safetensors") => refused += 1,
+            Ok(Err(e)) if e.message.contains(&*d.path().to_string_lossy()) && e.message.contains("tensor") => {
+                refused += 1
+            }
+            Ok(Err(e)) => wrong.push(format!("case {case}: the error names neither the file nor a tensor: {e}")),
+            Err(_) => wrong.push(format!("case {case}: loading or running panicked")),
+        }
+    }
+    eprintln!("damaged safetensors headers: {refused} refused, {loaded} loaded and ran");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
