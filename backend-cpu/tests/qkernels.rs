@@ -128,13 +128,23 @@ fn levels() -> Vec<QSimd> {
 /// The f64 reference of `[rows, cols]` dequantized weights times the dequantized int8
 /// activations, `[n][rows]`, with the sum of |terms| of each output (the error scale).
 fn f64_reference(deq: &[f32], act: &QAct, rows: usize, cols: usize) -> (Vec<f64>, Vec<f64>) {
-    let n = act.n;
+    f64_reference_by(deq, act.n, rows, cols, |t, c| act.value(t, c) as f64)
+}
+
+/// [`f64_reference`] on activations `value(t, c)`.
+fn f64_reference_by(
+    deq: &[f32],
+    n: usize,
+    rows: usize,
+    cols: usize,
+    value: impl Fn(usize, usize) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
     let mut want = vec![0.0f64; n * rows];
     let mut mag = vec![0.0f64; n * rows];
     for t in 0..n {
         for r in 0..rows {
             for c in 0..cols {
-                let term = deq[r * cols + c] as f64 * act.value(t, c) as f64;
+                let term = deq[r * cols + c] as f64 * value(t, c);
                 want[t * rows + r] += term;
                 mag[t * rows + r] += term.abs();
             }
@@ -476,13 +486,15 @@ fn avx2_quantized_prefill_panels_match_f64_reference() {
     }
 }
 
-/// The AVX2 integer prefill panels for float scales ([`qpanels_avx2`], which
-/// `qprefill_avx2::matmul` takes for every matrix without int4 sub-scales): every format and
-/// group the loaders produce (int8 per row and in groups, int6 in 16s, 32s, 48s, 64s and per row,
-/// int4 free-form with and without biases), f32 and f16 sides, every byte value, rows that leave
-/// a partial panel, token counts that leave a partial micro-kernel tile: against the f64
-/// reference on the same activations (one scale per 32-block), on one and two threads, and
-/// `quant_matmul` takes this path at the AVX2 level.
+/// The AVX2 integer prefill panels for float scales (`qpanels16_avx2` for int8, `qpanels_avx2`
+/// for the rest, which `qprefill_avx2::matmul` takes for every matrix without int4 sub-scales):
+/// every format and group the loaders produce (int8 per row and in groups, int6 in 16s, 32s,
+/// 48s, 64s and per row, int4 free-form with and without biases), f32 and f16 sides, every byte
+/// value, rows that leave a partial panel, columns that leave a partial activation span, token
+/// counts that leave a partial micro-kernel tile: against the f64 reference on the same
+/// activations (int8 weights: 16-bit with one scale per 256 columns, [`act16`]; the others: int8
+/// with one scale per 32-block), on one and two threads, and `quant_matmul` takes this path at
+/// the AVX2 level.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn avx2_float_scale_prefill_panels_match_f64_reference() {
@@ -494,7 +506,7 @@ fn avx2_float_scale_prefill_panels_match_f64_reference() {
     let mut seed = 43u64;
     let pools: Vec<_> =
         [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
-    for &(cols, rows) in &[(192usize, 13usize), (2112, 9)] {
+    for &(cols, rows) in &[(192usize, 13usize), (2112, 9), (576, 21)] {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = as_held(&random_q(rows, cols, format, group, bias, half, &mut seed), half);
             let w = QMat::with_sides(&qt, half).with_sub_scales();
@@ -505,8 +517,12 @@ fn avx2_float_scale_prefill_panels_match_f64_reference() {
             for &n in &[32usize, 39] {
                 assert!(qprefill_avx2::takes(QSimd::Avx2, &w, n));
                 let x = random_x(n, cols, &mut seed);
-                let act = QAct::quantize(&x, n, cols, &w);
-                let (want, mag) = f64_reference(&deq, &act, rows, cols);
+                let (want, mag) = if format == QFormat::I8 {
+                    let v = act16(&x, n, cols);
+                    f64_reference_by(&deq, n, rows, cols, |t, c| v[t * cols + c])
+                } else {
+                    f64_reference(&deq, &QAct::quantize(&x, n, cols, &w), rows, cols)
+                };
                 for pool in &pools {
                     let mut out = vec![f32::NAN; n * rows];
                     pool.install(|| qprefill_avx2::matmul(&x, n, cols, &w, &mut out, DType::F32));
@@ -521,6 +537,82 @@ fn avx2_float_scale_prefill_panels_match_f64_reference() {
             }
         }
     }
+}
+
+/// The int8 prefill panels' activations, as `qpanels16_avx2` documents them: per token and
+/// span of 256 columns, `q = round_half_even(x * (32767 / max |x|))` in f32, worth `q * (max |x|
+/// / 32767)`.
+#[cfg(target_arch = "x86_64")]
+fn act16(x: &[f32], n: usize, k: usize) -> Vec<f64> {
+    use spark_backend_cpu::kernels::qpanels16_avx2::SPAN;
+    let mut v = vec![0.0f64; n * k];
+    for t in 0..n {
+        for c0 in (0..k).step_by(SPAN) {
+            let span = &x[t * k + c0..t * k + (c0 + SPAN).min(k)];
+            let amax = span.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            if amax == 0.0 {
+                continue;
+            }
+            let (inv, d) = (32767.0 / amax, amax / 32767.0);
+            for (i, &xv) in span.iter().enumerate() {
+                v[t * k + c0 + i] = (xv * inv).round_ties_even() as f64 * d as f64;
+            }
+        }
+    }
+    v
+}
+
+/// The int8 prefill panels (`qpanels16_avx2`) carry a non-finite activation into NaN outputs
+/// for its token only (whose span would otherwise quantize by an infinite or NaN scale), keep
+/// an all-zero span at zero, and are closer to the product on unquantized activations than the
+/// int8 activations of decode are.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn avx2_int8_prefill_panels_handle_non_finite_and_zero_activations() {
+    use spark_backend_cpu::kernels::qprefill_avx2;
+    if QSimd::detect() < QSimd::Avx2 {
+        eprintln!("skipped: this CPU has no AVX2 (or SPARK_CPU_SIMD caps it)");
+        return;
+    }
+    let mut seed = 47u64;
+    let (rows, cols, n) = (11usize, 576usize, 33usize);
+    let qt = random_q(rows, cols, QFormat::I8, cols, false, false, &mut seed);
+    let w = QMat::from_qtensor(&qt);
+    let deq = qt.dequantize();
+    let mut x = random_x(n, cols, &mut seed);
+    x[3 * cols + 300] = f32::NAN;
+    x[5 * cols + 7] = f32::INFINITY;
+    x[6 * cols + 500] = f32::NEG_INFINITY;
+    // Token 7: one span all zeros, the others a NaN next to zeros (max |x| is 0 there).
+    x[7 * cols..8 * cols].fill(0.0);
+    x[8 * cols..9 * cols].fill(0.0);
+    x[8 * cols + 520] = f32::NAN;
+    let mut out = vec![0.0f32; n * rows];
+    qprefill_avx2::matmul(&x, n, cols, &w, &mut out, DType::F32);
+    for t in 0..n {
+        let o = &out[t * rows..(t + 1) * rows];
+        match t {
+            3 | 5 | 6 | 8 => assert!(o.iter().all(|v| v.is_nan()), "token {t}: {o:?}"),
+            7 => assert!(o.iter().all(|&v| v == 0.0), "token {t}: {o:?}"),
+            _ => assert!(o.iter().all(|v| v.is_finite()), "token {t}: {o:?}"),
+        }
+    }
+    // Against the exact product on the finite tokens: the 16-bit activations' error is below
+    // the int8 ones' (decode's quantization) in total.
+    let act8 = QAct::quantize(&x, n, cols, &w);
+    let (mut e16, mut e8) = (0.0f64, 0.0f64);
+    for t in (0..n).filter(|t| ![3, 5, 6, 7, 8].contains(t)) {
+        for r in 0..rows {
+            let (mut exact, mut via8) = (0.0f64, 0.0f64);
+            for c in 0..cols {
+                exact += deq[r * cols + c] as f64 * x[t * cols + c] as f64;
+                via8 += deq[r * cols + c] as f64 * act8.value(t, c) as f64;
+            }
+            e16 += (out[t * rows + r] as f64 - exact).powi(2);
+            e8 += (via8 - exact).powi(2);
+        }
+    }
+    assert!(e16 * 100.0 < e8, "16-bit activations' squared error {e16} vs int8's {e8}");
 }
 
 /// `common_unit` finds a unit for `spark-run quantize`'s super-blocks (powers of two) and for

@@ -234,7 +234,8 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
 pub const PANEL: usize = 16;
 
 /// Transpose an 8x8 block of f32 held in 8 registers (shuffles only, so any 32-bit lanes: the
-/// integer prefill panels transpose bytes in fours with it, [`super::qpanels_avx2`]).
+/// integer prefill panels transpose bytes in fours and 16-bit values in pairs with it,
+/// [`super::qpanels_avx2`], [`super::qpanels16_avx2`]).
 ///
 /// # Safety
 /// AVX.

@@ -101,7 +101,7 @@ const MR_512: usize = MR;
 /// Fewest tokens [`quant_panels`] was dispatched for on CPUs whose integer level is AVX2 (no
 /// VNNI, no AMX). No longer dispatched: from [`super::qprefill_avx2::MIN_TOKENS`] tokens every
 /// quantized matrix takes integer panels at that level ([`super::qprefill_avx2`] for int4 with
-/// sub-scales, [`super::qpanels_avx2`] for the rest), which beat these f32 panels in whole-model
+/// sub-scales, [`super::qpanels16_avx2`] for int8, [`super::qpanels_avx2`] for the rest), which beat these f32 panels in whole-model
 /// prefill (2-vCPU Zen 3, int8 pp512: 64 against 55 tok/s). The f32 panels stay as the prefill
 /// with unquantized activations that the tests and the kernel bench compare against.
 pub const AVX2_QUANT_PANEL_MIN_TOKENS: usize = 32;

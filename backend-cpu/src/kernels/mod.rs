@@ -35,6 +35,7 @@ pub mod portable;
 pub mod qavx2;
 pub mod qavx512;
 pub mod qmatmul;
+pub mod qpanels16_avx2;
 pub mod qpanels_avx2;
 pub mod qprefill_avx2;
 

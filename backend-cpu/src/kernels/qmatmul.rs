@@ -63,8 +63,8 @@ pub const QCHUNK: usize = 64;
 /// sums pay (int4, 4 tokens: 33-36 against 22-23 GMAC/s; whole-model batched decode +16-34 %
 /// for int4, +22 % for int8, at about 2 dB of int8's logit SNR on the demo). From 32 tokens
 /// [`quant_matmul`] takes integer panels instead ([`super::qprefill_avx2::MIN_TOKENS`]): int4
-/// with sub-scales those of [`super::qprefill_avx2`], the rest those of
-/// [`super::qpanels_avx2`].
+/// with sub-scales those of [`super::qprefill_avx2`], int8 those of [`super::qpanels16_avx2`],
+/// the rest those of [`super::qpanels_avx2`].
 pub const SUB_SCALE_MIN_TOKENS: usize = 2;
 
 /// 32-blocks per int4 super-block ([`spark_core::quant::SUPER_COLS`] columns).
@@ -1320,7 +1320,8 @@ impl SideEl for H16 {
 /// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
 /// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from 32 tokens,
 /// integer panels ([`super::qprefill_avx2::takes`]: int4 with sub-scales in
-/// [`super::qprefill_avx2`], every other matrix in [`super::qpanels_avx2`]); else the integer
+/// [`super::qprefill_avx2`], int8 in [`super::qpanels16_avx2`], int6 and int4 without
+/// sub-scales in [`super::qpanels_avx2`]); else the integer
 /// kernels of `simd`'s level ([`qmatmul`]).
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());

@@ -1,33 +1,31 @@
-//! AVX2 integer prefill panels for the quantized weights whose scales are floats: int8 (per row
-//! or in groups), int6 (`spark-run quantize`'s groups of 32, GGUF Q6_K's of 16) and int4 without
-//! integer sub-scales (GGUF Q4_K / Q4_0). Int4 with sub-scales has its own panels
-//! ([`super::qprefill_avx2`]), which [`super::qprefill_avx2::matmul`] picks first.
+//! AVX2 integer prefill panels for int6 (`spark-run quantize`'s groups of 32, GGUF Q6_K's of 16)
+//! and int4 without integer sub-scales (GGUF Q4_K / Q4_0): weights whose scales are floats and
+//! whose values fit 6 bits. Int4 with sub-scales has its own panels ([`super::qprefill_avx2`]),
+//! int8 16-bit ones ([`super::qpanels16_avx2`]); [`super::qprefill_avx2::matmul`] picks.
 //!
 //! `vpmaddubsw` multiplies unsigned weight bytes by signed activation bytes and sums pairs into
 //! 16-bit lanes. A lane stays exact over 32 columns (16 products) only while a weight byte is at
 //! most 15 (16 x 15 x 127 = 30480 < 2^15). So each weight is held as unsigned `u = q + zero`:
-//! int8 `u = q + 128 = 16 h + l` in two nibble planes, int4 the nibble itself (one plane), int6
-//! `u = q + 32` (at most 63) in one plane whose 16-bit sums hold two steps only. A panel of 8
-//! rows is unpacked once per call into `[kp / 4][planes][8 rows][4 columns]` bytes; per 4 columns
-//! the micro-kernel loads the planes once and, for each token, broadcasts its 4 activation bytes
-//! and issues one `vpmaddubsw` and one `vpaddw` per plane (int6: per two steps two
+//! int4 the nibble itself, int6 `u = q + 32` (at most 63), whose 16-bit sums hold two steps
+//! only. A panel of 8 rows is unpacked once per call into `[kp / 4][8 rows][4 columns]` bytes;
+//! per 4 columns the micro-kernel loads the panel's vector once and, for each token, broadcasts
+//! its 4 activation bytes and issues one `vpmaddubsw` and one `vpaddw` (int6: per two steps two
 //! `vpmaddubsw`, a `vpaddw` and a `vpmaddwd` by 1 into i32, 3 multiply-port operations where two
-//! nibble planes take 4: int4-mix pp512 +4 %). Every 32 columns (16 where groups are 16) the
-//! 16-bit sums go to i32 (`vpmaddwd` by 16 and by 1 for the two planes), are converted to f32
-//! and added with the weight row's scale times the activation block's (one FMA; per-row scales
-//! are applied once at the end instead). The zero point and the biases come off as in
-//! [`super::qprefill_avx2`]: `sum_g (bias[r, g] - zero scale[r, g]) A[t, g]`.
+//! nibble planes took 4: int4-mix pp512 +4 %). Every 32 columns (16 where groups are 16) the
+//! 16-bit sums go to i32, are converted to f32 and added with the weight row's scale times the
+//! activation block's (one FMA; per-row scales are applied once at the end instead). The zero
+//! point and the biases come off as in [`super::qprefill_avx2`]: `sum_g (bias[r, g] - zero
+//! scale[r, g]) A[t, g]`.
 //!
-//! Why planes rather than f32 panels: the multiply ports are what bounds either (two per cycle
-//! on Zen 3, shared by `vfmadd` and `vpmaddubsw`), and two planes give 16 multiply-adds per port
-//! operation against the f32 FMA's 8. Measured on one Zen 3 core (a kernel loop in L1): 79 GMAC/s
-//! with two planes at 4 tokens, 72 with the sign trick (`vpsignb` on the activations, one plane
-//! of `|q|`, then `vpmaddwd` by 1), 51 for f32 panels at 16 rows x 6 tokens.
+//! Why integer panels rather than f32 ones: the multiply ports are what bounds either (two per
+//! cycle on Zen 3, shared by `vfmadd` and `vpmaddubsw`), and one plane gives 32 multiply-adds per
+//! port operation against the f32 FMA's 8. Measured on one Zen 3 core (a kernel loop in L1): 150
+//! GMAC/s for one int4 plane at 6 tokens, 51 for f32 panels at 16 rows x 6 tokens. (Int8 ran
+//! here until session 27 as two nibble planes, `u = q + 128 = 16 h + l`: 79 GMAC/s in that loop,
+//! the same speed in the model as the 16-bit panels, which keep 16-bit activations.)
 //!
 //! Precision: the activations are int8 with one scale per 32-block (as the decode kernels
-//! quantize them: [`QAct::quantize`]), the integer sums exact, f32 from each block on. Against
-//! the f32 panels ([`super::matmul::quant_panels`]) this adds the activations' rounding, the
-//! same that decode has always had.
+//! quantize them: [`QAct::quantize`]), the integer sums exact, f32 from each block on.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -43,9 +41,6 @@ use super::qprefill_avx2::{MR, ROWS};
 
 /// Bytes of one plane per micro-kernel step (4 columns of 8 rows).
 const PLANE: usize = 32;
-/// Most tokens per micro-kernel call with two planes: `3 T` accumulators, two planes, the
-/// broadcast and a product fill the 16 registers at 4.
-const MR2: usize = 4;
 /// Most tokens per micro-kernel call with one plane (`2 T + 3` registers).
 const MR1: usize = MR;
 
@@ -55,20 +50,20 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
     let m = w.rows;
     assert_eq!(out.len(), n * m, "qpanels_avx2: out has the wrong size");
     let act = QAct::quantize_spans(super::QSimd::Avx2, x, n, k, w, 1);
-    let planes = if w.format == QFormat::I8 { 2 } else { 1 };
+    assert!(w.format != QFormat::I8, "qpanels_avx2: int8 goes to the 16-bit panels");
     let six = w.format == QFormat::I6;
     let row_scale = w.ng == 1;
     // Columns per flush: the 16-bit sums stay exact over 32; groups of 16 (or any not a multiple
     // of 32) flush per 16, so each flush lies in one group.
     let flush = if row_scale || w.group.is_multiple_of(QBLOCK) { QBLOCK } else { 16 };
-    let mr = if planes == 2 { MR2 } else { MR1 };
+    let mr = MR1;
     let (kp, ng) = (w.kp, w.ng);
     let nb = kp / QBLOCK;
     super::qprefill_avx2::run_panels(
         n,
         m,
         |rem| if rem >= mr { mr } else { 1 },
-        || Panel::new(w, planes),
+        || Panel::new(w),
         // SAFETY: the caller checked the AVX2 level.
         |panel, p0| unsafe { panel.pack(w, p0) },
         |panel, t, tb, res| {
@@ -85,28 +80,22 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
                 steps: flush / 4,
             };
             // SAFETY: AVX2 with FMA (QSimd's AVX2 level, checked by the caller); the panel holds
-            // kp / 4 steps of `planes` x 32 bytes and ng x 8 scales and zero terms; `tb` tokens
+            // kp / 4 steps of 32 bytes and ng x 8 scales and zero terms; `tb` tokens
             // of kp values, nb block scales and ng group sums start at the token pointers.
             unsafe {
-                match (planes, six, row_scale, flush, tb) {
-                    (2, _, true, _, MR2) => tile::<MR2, 2, true, QBLOCK>(&ops, res),
-                    (2, _, true, _, _) => tile::<1, 2, true, QBLOCK>(&ops, res),
-                    (2, _, false, QBLOCK, MR2) => tile::<MR2, 2, false, QBLOCK>(&ops, res),
-                    (2, _, false, QBLOCK, _) => tile::<1, 2, false, QBLOCK>(&ops, res),
-                    (2, _, false, _, MR2) => tile::<MR2, 2, false, 16>(&ops, res),
-                    (2, _, false, _, _) => tile::<1, 2, false, 16>(&ops, res),
-                    (_, true, true, _, MR1) => tile::<MR1, 6, true, QBLOCK>(&ops, res),
-                    (_, true, true, _, _) => tile::<1, 6, true, QBLOCK>(&ops, res),
-                    (_, true, false, QBLOCK, MR1) => tile::<MR1, 6, false, QBLOCK>(&ops, res),
-                    (_, true, false, QBLOCK, _) => tile::<1, 6, false, QBLOCK>(&ops, res),
-                    (_, true, false, _, MR1) => tile::<MR1, 6, false, 16>(&ops, res),
-                    (_, true, false, _, _) => tile::<1, 6, false, 16>(&ops, res),
-                    (_, _, true, _, MR1) => tile::<MR1, 1, true, QBLOCK>(&ops, res),
-                    (_, _, true, _, _) => tile::<1, 1, true, QBLOCK>(&ops, res),
-                    (_, _, false, QBLOCK, MR1) => tile::<MR1, 1, false, QBLOCK>(&ops, res),
-                    (_, _, false, QBLOCK, _) => tile::<1, 1, false, QBLOCK>(&ops, res),
-                    (_, _, false, _, MR1) => tile::<MR1, 1, false, 16>(&ops, res),
-                    (_, _, false, _, _) => tile::<1, 1, false, 16>(&ops, res),
+                match (six, row_scale, flush, tb) {
+                    (true, true, _, MR1) => tile::<MR1, 6, true, QBLOCK>(&ops, res),
+                    (true, true, _, _) => tile::<1, 6, true, QBLOCK>(&ops, res),
+                    (true, false, QBLOCK, MR1) => tile::<MR1, 6, false, QBLOCK>(&ops, res),
+                    (true, false, QBLOCK, _) => tile::<1, 6, false, QBLOCK>(&ops, res),
+                    (true, false, _, MR1) => tile::<MR1, 6, false, 16>(&ops, res),
+                    (true, false, _, _) => tile::<1, 6, false, 16>(&ops, res),
+                    (_, true, _, MR1) => tile::<MR1, 4, true, QBLOCK>(&ops, res),
+                    (_, true, _, _) => tile::<1, 4, true, QBLOCK>(&ops, res),
+                    (_, false, QBLOCK, MR1) => tile::<MR1, 4, false, QBLOCK>(&ops, res),
+                    (_, false, QBLOCK, _) => tile::<1, 4, false, QBLOCK>(&ops, res),
+                    (_, false, _, MR1) => tile::<MR1, 4, false, 16>(&ops, res),
+                    (_, false, _, _) => tile::<1, 4, false, 16>(&ops, res),
                 }
             }
         },
@@ -117,29 +106,27 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
 
 /// One panel's operands: rows `p0..p0 + 8` (zero weights past the matrix's last row).
 struct Panel {
-    planes: usize,
-    /// `[kp / 4][planes][8][4]` bytes, the high plane first.
+    /// `[kp / 4][8][4]` bytes.
     w: Vec<u8>,
     /// `[ng][8]` scales.
     s: Vec<f32>,
     /// `[ng][8]` `bias - zero scale`.
     z: Vec<f32>,
-    /// The rows' planes in column order (`[8][planes][kp]`), before the interleave.
+    /// The rows' values in column order (`[8][kp]`), before the interleave.
     rows: Vec<u8>,
 }
 
 impl Panel {
-    fn new(w: &QMat, planes: usize) -> Panel {
+    fn new(w: &QMat) -> Panel {
         Panel {
-            planes,
-            w: vec![0; w.kp / 4 * planes * PLANE],
+            w: vec![0; w.kp / 4 * PLANE],
             s: vec![0.0; w.ng * ROWS],
             z: vec![0.0; w.ng * ROWS],
-            rows: vec![0; ROWS * planes * w.kp],
+            rows: vec![0; ROWS * w.kp],
         }
     }
 
-    /// Fill with rows `p0..` of `w`.
+    /// Fill with rows `p0..` of `w` (int6 or int4).
     ///
     /// # Safety
     /// AVX2.
@@ -148,26 +135,17 @@ impl Panel {
         let (kp, ng, rb) = (w.kp, w.ng, w.row_bytes());
         let nr = ROWS.min(w.rows - p0);
         if nr < ROWS {
-            self.w.fill(0);
+            self.rows.fill(0);
             self.s.fill(0.0);
             self.z.fill(0.0);
         }
-        let zero = match w.format {
-            QFormat::I8 => 128.0,
-            QFormat::I6 => 32.0,
-            QFormat::I4 => 8.0,
-        };
-        let step = self.planes * PLANE;
-        let width = self.planes * kp;
-        if nr < ROWS {
-            self.rows.fill(0);
-        }
+        let zero = if w.format == QFormat::I6 { 32.0 } else { 8.0 };
         for j in 0..nr {
             let r = p0 + j;
             let src = &w.packed()[r * rb..(r + 1) * rb];
             // SAFETY: AVX2 (this function's precondition); `src` is one packed row of `w`'s
-            // format and row j of `self.rows` holds `planes` x kp bytes.
-            unsafe { unpack_row(w.format, src, kp, &mut self.rows[j * width..(j + 1) * width]) };
+            // format and row j of `self.rows` holds kp bytes.
+            unsafe { unpack_row(w.format, src, kp, &mut self.rows[j * kp..(j + 1) * kp]) };
             for g in 0..ng {
                 let scale = w.scales().get(r * ng + g);
                 let bias = w.bias().map_or(0.0, |b| b.get(r * ng + g));
@@ -175,54 +153,43 @@ impl Panel {
                 self.z[g * ROWS + j] = bias + -zero * scale;
             }
         }
-        // Interleave: per plane and 32 columns, the 8 rows' 8 quads (an 8 x 8 transpose of
-        // u32) become 8 steps of 8 rows.
-        for p in 0..self.planes {
-            for c in (0..kp).step_by(32) {
-                let src = self.rows[p * kp + c..].as_ptr();
-                // SAFETY: row j's 32 bytes at p kp + c lie inside `self.rows` (c + 32 <= kp);
-                // steps c / 4 .. c / 4 + 8 of plane p inside `self.w` (kp / 4 steps).
-                unsafe {
-                    let mut v = [_mm256_setzero_ps(); ROWS];
-                    for (j, vj) in v.iter_mut().enumerate() {
-                        *vj = _mm256_loadu_ps(src.add(j * width) as *const f32);
-                    }
-                    super::avx2::transpose8(&mut v);
-                    let dst = self.w.as_mut_ptr().add(c / 4 * step + p * PLANE);
-                    for (i, &vi) in v.iter().enumerate() {
-                        _mm256_storeu_ps(dst.add(i * step) as *mut f32, vi);
-                    }
+        // Interleave: per 32 columns, the 8 rows' 8 quads (an 8 x 8 transpose of u32) become 8
+        // steps of 8 rows.
+        for c in (0..kp).step_by(32) {
+            let src = self.rows[c..].as_ptr();
+            // SAFETY: row j's 32 bytes at j kp + c lie inside `self.rows` (c + 32 <= kp); steps
+            // c / 4 .. c / 4 + 8 inside `self.w` (kp / 4 steps).
+            unsafe {
+                let mut v = [_mm256_setzero_ps(); ROWS];
+                for (j, vj) in v.iter_mut().enumerate() {
+                    *vj = _mm256_loadu_ps(src.add(j * kp) as *const f32);
+                }
+                super::avx2::transpose8(&mut v);
+                let dst = self.w.as_mut_ptr().add(c / 4 * PLANE);
+                for (i, &vi) in v.iter().enumerate() {
+                    _mm256_storeu_ps(dst.add(i * PLANE) as *mut f32, vi);
                 }
             }
         }
     }
 }
 
-/// One packed row of `format` (`kp` columns) into planes of unsigned values `u = q + zero` in
-/// column order: for int8 `out[..kp]` the high nibbles, `out[kp..2 kp]` the low ones; for int6
-/// and int4 `out[..kp]` the values themselves (6 and 4 bits).
+/// One packed int6 or int4 row (`kp` columns) into its unsigned values `u = q + zero` (6 and 4
+/// bits), in column order.
+///
+/// # Panics
+/// For int8 ([`matmul`] refuses it: the 16-bit panels take int8).
 ///
 /// # Safety
-/// AVX2; `src` holds the row's bytes in [`QMat`]'s layout, `out` at least planes x `kp` bytes.
+/// AVX2; `src` holds the row's bytes in [`QMat`]'s layout, `out` at least `kp` bytes.
 #[target_feature(enable = "avx2")]
 unsafe fn unpack_row(format: QFormat, src: &[u8], kp: usize, out: &mut [u8]) {
     let mask = _mm256_set1_epi8(0x0F);
     let o = out.as_mut_ptr();
     // SAFETY (all blocks below): every load reads inside `src` (the row's kp, kp / 2 or
-    // kp / 64 x 48 bytes) and every store writes inside `out` (planes x kp bytes).
+    // kp / 64 x 48 bytes) and every store writes inside `out` (kp bytes).
     match format {
-        QFormat::I8 => {
-            let flip = _mm256_set1_epi8(-128);
-            for c in (0..kp).step_by(32) {
-                let v = unsafe { _mm256_loadu_si256(src.as_ptr().add(c) as *const __m256i) };
-                let u = _mm256_xor_si256(v, flip);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), mask);
-                unsafe {
-                    _mm256_storeu_si256(o.add(c) as *mut __m256i, hi);
-                    _mm256_storeu_si256(o.add(kp + c) as *mut __m256i, _mm256_and_si256(u, mask));
-                }
-            }
-        }
+        QFormat::I8 => unreachable!("qpanels_avx2::matmul refuses int8"),
         QFormat::I4 => {
             for (ci, chunk) in src[..kp / 2].chunks_exact(QCHUNK / 2).enumerate() {
                 let v = unsafe { _mm256_loadu_si256(chunk.as_ptr() as *const __m256i) };
@@ -274,9 +241,8 @@ struct Ops {
     steps: usize,
 }
 
-/// The panel's 8 rows x `T` tokens into `res[t]`: `P` planes (2: high then low nibbles, `u =
-/// 16 h + l`; 1: 4-bit values; 6: one plane of 6-bit values), flushed every `F` columns (32, or
-/// 16 for groups of 16); `ROW`: one scale per row, applied after the sum.
+/// The panel's 8 rows x `T` tokens into `res[t]`: `P` bits per value (4 or 6), flushed every
+/// `F` columns (32, or 16 for groups of 16); `ROW`: one scale per row, applied after the sum.
 ///
 /// # Safety
 /// AVX2 and FMA; `o` as [`Ops`] describes it for `T` tokens.
@@ -285,19 +251,18 @@ struct Ops {
 unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR]) {
     let nb = o.kp / QBLOCK;
     let zero = _mm256_setzero_si256();
-    let (c16, c1) = (_mm256_set1_epi16(16), _mm256_set1_epi16(1));
-    let step = if P == 2 { 2 * PLANE } else { PLANE };
+    let c1 = _mm256_set1_epi16(1);
+    let step = PLANE;
     let mut facc = [_mm256_setzero_ps(); T];
     for c0 in (0..o.kp).step_by(F) {
-        let mut hi = [zero; T];
         let mut lo = [zero; T];
         // SAFETY (the loads): step c0 / 4 + s < kp / 4 of the panel; token t's value c0 + 4 s
         // + 3 < kp.
         let wb = unsafe { o.w.add(c0 / 4 * step) };
         let qb = unsafe { o.q.add(c0) };
         // A run-time trip count (`F / 4` steps): with the constant one LLVM unrolled the steps,
-        // ran the tokens outermost and spilled the 16 weight vectors (whole-model int8 pp512
-        // no faster than the f32 panels).
+        // ran the tokens outermost and spilled the weight vectors (whole-model int8 pp512, on
+        // the two nibble planes int8 had then, no faster than the f32 panels).
         if P == 6 {
             // 6-bit values (at most 63): a pair's 16-bit sum holds two steps (4 products of at
             // most 63 x 127 = 32004 < 2^15), then it goes to i32 (in `lo`).
@@ -314,15 +279,10 @@ unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(
             }
         } else {
             for s in 0..o.steps {
-                let wl =
-                    unsafe { _mm256_loadu_si256(wb.add(s * step + if P == 2 { PLANE } else { 0 }) as *const __m256i) };
-                let wh = if P == 2 { unsafe { _mm256_loadu_si256(wb.add(s * step) as *const __m256i) } } else { zero };
+                let wl = unsafe { _mm256_loadu_si256(wb.add(s * step) as *const __m256i) };
                 for t in 0..T {
                     let q =
                         _mm256_set1_epi32(unsafe { std::ptr::read_unaligned(qb.add(t * o.kp + 4 * s) as *const i32) });
-                    if P == 2 {
-                        hi[t] = _mm256_add_epi16(hi[t], _mm256_maddubs_epi16(wh, q));
-                    }
                     lo[t] = _mm256_add_epi16(lo[t], _mm256_maddubs_epi16(wl, q));
                 }
             }
@@ -330,10 +290,7 @@ unsafe fn tile<const T: usize, const P: usize, const ROW: bool, const F: usize>(
         // SAFETY: group c0 / group < ng of the panel's scales.
         let sv = if ROW { _mm256_setzero_ps() } else { unsafe { _mm256_loadu_ps(o.s.add(c0 / o.group * ROWS)) } };
         for t in 0..T {
-            let mut i = if P == 6 { lo[t] } else { _mm256_madd_epi16(lo[t], c1) };
-            if P == 2 {
-                i = _mm256_add_epi32(i, _mm256_madd_epi16(hi[t], c16));
-            }
+            let i = if P == 6 { lo[t] } else { _mm256_madd_epi16(lo[t], c1) };
             // SAFETY: block c0 / 32 < nb of token t's scales.
             let d = _mm256_set1_ps(unsafe { *o.d.add(t * nb + c0 / QBLOCK) });
             let m = if ROW { d } else { _mm256_mul_ps(sv, d) };

@@ -17,11 +17,11 @@
 //! f32 product: `sum_g (bias[r, g] - 8 scale[r, g]) A[t, g]` with `A` the activations' group
 //! sums (the term `TileArgs::bias_term` adds).
 //!
-//! Int8, int6 and int4 without sub-scales go to the panels of [`super::qpanels_avx2`] (two
-//! 4-bit planes per weight for int8 and int6, float scales per block). Tried before them, in
-//! session 13 (128 tokens, one thread, 1.7B
-//! shapes): i16 panels times i16 activations (`vpmaddwd`, 16 multiply-adds per instruction)
-//! ran 31.0-34.4 GMAC/s against the f32 panels' 30.1-31.2; the row-major super-block kernel
+//! Int8 goes to the 16-bit panels of [`super::qpanels16_avx2`], int6 and int4 without
+//! sub-scales to the byte panels of [`super::qpanels_avx2`] (float scales per block). Tried
+//! before them, in session 13 (128 tokens, one thread, 1.7B shapes): i16 panels times i16
+//! activations (`vpmaddwd`, 16 multiply-adds per instruction; an earlier form than
+//! [`super::qpanels16_avx2`]'s) ran 31.0-34.4 GMAC/s against the f32 panels' 30.1-31.2; the row-major super-block kernel
 //! ([`super::qavx2`]) 34.9-40.9, but whole-model int8 pp512 through it was level with the f32
 //! panels (25.5 / 26.6 against 25.7 / 26.3 tok/s), and the panels keep float activations.
 //!
@@ -55,7 +55,7 @@ pub const MIN_TOKENS: usize = 32;
 
 /// Whether [`matmul`] takes `w` for `n` tokens at integer level `qs`: the AVX2 level, from
 /// [`MIN_TOKENS`] tokens, any quantized matrix (int4 with sub-scales on this module's panels,
-/// the rest on [`super::qpanels_avx2`]'s).
+/// int8 on [`super::qpanels16_avx2`]'s, the rest on [`super::qpanels_avx2`]'s).
 pub fn takes(qs: super::QSimd, _w: &QMat, n: usize) -> bool {
     qs == super::QSimd::Avx2 && super::QSimd::detect() >= super::QSimd::Avx2 && n >= MIN_TOKENS
 }
@@ -137,14 +137,18 @@ impl Panel {
 }
 
 /// `out = round(x W^T)` for `w` that [`takes`] at the AVX2 level, `x` `[n, k]` (matrices without
-/// int4 sub-scales go on to [`super::qpanels_avx2`]).
+/// int4 sub-scales go on to [`super::qpanels16_avx2`] (int8) or [`super::qpanels_avx2`]).
 ///
 /// # Panics
 /// If [`takes`] is false for `w` and `n` at the AVX2 level, or the sizes do not match.
 pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     assert!(takes(super::QSimd::Avx2, w, n), "qprefill_avx2: needs AVX2 and {MIN_TOKENS} tokens");
     if w.sub_scales().is_none() {
-        super::qpanels_avx2::matmul(x, n, k, w, out, round);
+        if w.format == spark_core::quant::QFormat::I8 {
+            super::qpanels16_avx2::matmul(x, n, k, w, out, round);
+        } else {
+            super::qpanels_avx2::matmul(x, n, k, w, out, round);
+        }
         return;
     }
     let m = w.rows;
@@ -189,7 +193,7 @@ pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: D
     );
 }
 
-/// The panel driver of this module and of [`super::qpanels_avx2`]: rows `0..m` in chunks over
+/// The panel driver of this module, [`super::qpanels_avx2`] and [`super::qpanels16_avx2`]: rows `0..m` in chunks over
 /// the rayon pool; in each chunk, panels of 8 rows packed once (`pack(panel, p0)`), then the
 /// `n` tokens in tiles of `pick(remaining)` (at most [`MR`]) through `tile(panel, t, tb,
 /// res)`, whose `res[i]` (token `t + i`, the panel's rows) goes to `out` rounded as `round`.

@@ -255,8 +255,8 @@ fn logits_of(model: &Path, ids: &[u32], extra: &[&str], out: &Path) -> Vec<f32> 
 }
 
 /// On CPUs without VNNI (forced here with `SPARK_CPU_SIMD=avx2`) a quantized prefill of 32+
-/// tokens runs the AVX2 integer panels (`qprefill_avx2`, `qpanels_avx2`: int8 activations, exact
-/// integer sums): on the 70-token golden prompt the int8 and int4 checkpoints stay within the
+/// tokens runs the AVX2 integer panels (`qprefill_avx2` for int4: int8 activations;
+/// `qpanels16_avx2` for int8: 16-bit activations; exact integer sums): on the 70-token golden prompt the int8 and int4 checkpoints stay within the
 /// bounds of the integer paths (int8 > 30 dB, int4 > 12.5 dB against the f32 reference), and no
 /// worse than the default path by more than 0.5 dB (on a CPU whose default is VNNI or AMX, this
 /// compares the two paths' activation quantization; on an AVX2-only CPU they are the same path).
