@@ -11,7 +11,7 @@
 //! columns). The i32 sums here go to f32 (one conversion and one FMA per token) only where a
 //! scale changes: every [`SPAN`] columns for per-row weight scales, every group otherwise.
 //!
-//! Measured (session 27, one Zen 3 core, 512 tokens, on-CPU time, `bench_kernels`), GMAC/s of
+//! Measured (session 28, one Zen 3 core, 512 tokens, on-CPU time, `bench_kernels`), GMAC/s of
 //! these panels against the two nibble planes: int8 per row 2048x2048 53.7 / 52.0-53.7,
 //! 1024x2048 49.7-51.6 / 49.7, 6656x2048 54.5-56.3 / 51.3-52.9, 2048x6656 48.5-54.6 /
 //! 43.6-54.5; groups of 32 (Q8_0) level; groups of 16 5-8 % faster. Int6 and int4 (one byte

@@ -21,7 +21,7 @@
 //! cycle on Zen 3, shared by `vfmadd` and `vpmaddubsw`), and one plane gives 32 multiply-adds per
 //! port operation against the f32 FMA's 8. Measured on one Zen 3 core (a kernel loop in L1): 150
 //! GMAC/s for one int4 plane at 6 tokens, 51 for f32 panels at 16 rows x 6 tokens. (Int8 ran
-//! here until session 27 as two nibble planes, `u = q + 128 = 16 h + l`: 79 GMAC/s in that loop,
+//! here until session 28 as two nibble planes, `u = q + 128 = 16 h + l`: 79 GMAC/s in that loop,
 //! the same speed in the model as the 16-bit panels, which keep 16-bit activations.)
 //!
 //! Precision: the activations are int8 with one scale per 32-block (as the decode kernels
