@@ -255,23 +255,12 @@ impl Panel {
                 self.z[g * ROWS + j] = w.bias().map_or(0.0, |b| b.get(r * ng + g));
             }
         }
-        // Interleave: per 16 columns, the 8 rows' 8 column pairs (an 8 x 8 transpose of 32-bit
-        // lanes) become 8 steps of 8 rows.
-        for c in (0..kp).step_by(16) {
-            // SAFETY: row j's 16 values at c lie inside `self.rows` (c + 16 <= kp); steps
-            // c / 2 .. c / 2 + 8 inside `self.w` (kp / 2 steps of 16 values).
-            unsafe {
-                let mut v = [_mm256_setzero_ps(); ROWS];
-                for (j, vj) in v.iter_mut().enumerate() {
-                    *vj = _mm256_loadu_ps(self.rows.as_ptr().add(j * kp + c) as *const f32);
-                }
-                super::avx2::transpose8(&mut v);
-                let dst = self.w.as_mut_ptr().add(c / 2 * 16);
-                for (i, &vi) in v.iter().enumerate() {
-                    _mm256_storeu_ps(dst.add(i * 16) as *mut f32, vi);
-                }
-            }
-        }
+        // Each row's column pairs (4 bytes) to steps of 8 rows.
+        // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of 2 kp bytes
+        // and `self.w` kp / 2 steps of 32 bytes; kp is a multiple of 64.
+        unsafe {
+            super::qpanels_avx2::interleave(self.rows.as_ptr() as *const u8, 2 * kp, self.w.as_mut_ptr() as *mut u8)
+        };
     }
 }
 

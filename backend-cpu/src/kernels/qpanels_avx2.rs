@@ -153,22 +153,33 @@ impl Panel {
                 self.z[g * ROWS + j] = bias + -zero * scale;
             }
         }
-        // Interleave: per 32 columns, the 8 rows' 8 quads (an 8 x 8 transpose of u32) become 8
-        // steps of 8 rows.
-        for c in (0..kp).step_by(32) {
-            let src = self.rows[c..].as_ptr();
-            // SAFETY: row j's 32 bytes at j kp + c lie inside `self.rows` (c + 32 <= kp); steps
-            // c / 4 .. c / 4 + 8 inside `self.w` (kp / 4 steps).
-            unsafe {
-                let mut v = [_mm256_setzero_ps(); ROWS];
-                for (j, vj) in v.iter_mut().enumerate() {
-                    *vj = _mm256_loadu_ps(src.add(j * kp) as *const f32);
-                }
-                super::avx2::transpose8(&mut v);
-                let dst = self.w.as_mut_ptr().add(c / 4 * PLANE);
-                for (i, &vi) in v.iter().enumerate() {
-                    _mm256_storeu_ps(dst.add(i * PLANE) as *mut f32, vi);
-                }
+        // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of kp bytes and
+        // `self.w` kp / 4 steps of 32 bytes; kp is a multiple of 64.
+        unsafe { interleave(self.rows.as_ptr(), kp, self.w.as_mut_ptr()) };
+    }
+}
+
+/// The panel layout from 8 rows of `row_bytes` bytes each (`rows`, one after the other): per 4
+/// bytes of the rows, a step of 32 bytes holding each row's 4 in row order, `out[(i / 4) * 32 +
+/// 4 j..][..4] = rows[j][i..i + 4]` (an 8 x 8 transpose of 32-bit lanes per 32 bytes). Bytes in
+/// fours here, 16-bit values in pairs in [`super::qpanels16_avx2`].
+///
+/// # Safety
+/// AVX; `rows` holds 8 x `row_bytes` bytes and `out` as many; `row_bytes` is a multiple of 32.
+#[target_feature(enable = "avx")]
+pub(super) unsafe fn interleave(rows: *const u8, row_bytes: usize, out: *mut u8) {
+    for c in (0..row_bytes).step_by(32) {
+        // SAFETY: row j's 32 bytes at j row_bytes + c lie inside `rows` (c + 32 <= row_bytes);
+        // steps c / 4 .. c / 4 + 8 inside `out` (row_bytes / 4 steps of 32 bytes).
+        unsafe {
+            let mut v = [_mm256_setzero_ps(); ROWS];
+            for (j, vj) in v.iter_mut().enumerate() {
+                *vj = _mm256_loadu_ps(rows.add(j * row_bytes + c) as *const f32);
+            }
+            super::avx2::transpose8(&mut v);
+            let dst = out.add(c / 4 * PLANE);
+            for (i, &vi) in v.iter().enumerate() {
+                _mm256_storeu_ps(dst.add(i * PLANE) as *mut f32, vi);
             }
         }
     }
