@@ -72,9 +72,9 @@ impl Act16 {
                     break;
                 }
                 let span = &xt[c0..c1];
-                let amax = span.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                // `max` passes NaN over: look for it.
-                if !amax.is_finite() || span.iter().any(|v| v.is_nan()) {
+                // One pass for the largest magnitude and for NaN (which `max` passes over).
+                let (amax, nan) = span.iter().fold((0.0f32, false), |(m, nan), v| (m.max(v.abs()), nan | v.is_nan()));
+                if !amax.is_finite() || nan {
                     // A non-finite value makes the span's outputs NaN, as the float kernels'.
                     *ds = f32::NAN;
                     continue;
@@ -232,7 +232,7 @@ impl Panel {
     /// AVX2.
     #[target_feature(enable = "avx2")]
     unsafe fn pack(&mut self, w: &QMat, p0: usize) {
-        let (kp, ng, rb) = (w.kp, w.ng, w.row_bytes());
+        let (kp, rb) = (w.kp, w.row_bytes());
         let nr = ROWS.min(w.rows - p0);
         if nr < ROWS {
             self.rows.fill(0);
@@ -250,10 +250,7 @@ impl Panel {
                     _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, v);
                 }
             }
-            for g in 0..ng {
-                self.s[g * ROWS + j] = w.scales().get(r * ng + g);
-                self.z[g * ROWS + j] = w.bias().map_or(0.0, |b| b.get(r * ng + g));
-            }
+            super::qpanels_avx2::row_sides(w, r, j, 0.0, &mut self.s, &mut self.z);
         }
         // Each row's column pairs (4 bytes) to steps of 8 rows.
         // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of 2 kp bytes

@@ -132,7 +132,7 @@ impl Panel {
     /// AVX2.
     #[target_feature(enable = "avx2")]
     unsafe fn pack(&mut self, w: &QMat, p0: usize) {
-        let (kp, ng, rb) = (w.kp, w.ng, w.row_bytes());
+        let (kp, rb) = (w.kp, w.row_bytes());
         let nr = ROWS.min(w.rows - p0);
         if nr < ROWS {
             self.rows.fill(0);
@@ -146,16 +146,24 @@ impl Panel {
             // SAFETY: AVX2 (this function's precondition); `src` is one packed row of `w`'s
             // format and row j of `self.rows` holds kp bytes.
             unsafe { unpack_row(w.format, src, kp, &mut self.rows[j * kp..(j + 1) * kp]) };
-            for g in 0..ng {
-                let scale = w.scales().get(r * ng + g);
-                let bias = w.bias().map_or(0.0, |b| b.get(r * ng + g));
-                self.s[g * ROWS + j] = scale;
-                self.z[g * ROWS + j] = bias + -zero * scale;
-            }
+            row_sides(w, r, j, zero, &mut self.s, &mut self.z);
         }
         // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of kp bytes and
         // `self.w` kp / 4 steps of 32 bytes; kp is a multiple of 64.
         unsafe { interleave(self.rows.as_ptr(), kp, self.w.as_mut_ptr()) };
+    }
+}
+
+/// Row `r` of `w` as row `j` of a panel's sides: its group scales into `s[g * 8 + j]` and
+/// `bias - zero scale` into `z[g * 8 + j]` (`[ng][8]` each; zero 0 for signed values). For
+/// these panels and [`super::qpanels16_avx2`]'s.
+pub(super) fn row_sides(w: &QMat, r: usize, j: usize, zero: f32, s: &mut [f32], z: &mut [f32]) {
+    let ng = w.ng;
+    for g in 0..ng {
+        let scale = w.scales().get(r * ng + g);
+        let bias = w.bias().map_or(0.0, |b| b.get(r * ng + g));
+        s[g * ROWS + j] = scale;
+        z[g * ROWS + j] = bias + -zero * scale;
     }
 }
 
