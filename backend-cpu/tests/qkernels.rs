@@ -340,9 +340,9 @@ fn avx2_level_holds_sub_scaled_int4_with_f16_sides() {
 }
 
 /// The VNNI level holds `spark-run quantize`'s int4 sides on grids (a byte per group for the
-/// scale and for the bias, a byte per super-block for each unit): every token count gives the
-/// bits of the same matrix with f16 sides, 4.5625 bits are read per weight instead of 5, and
-/// the other levels given such a matrix still match the f64 reference. Sides off the grid (old
+/// scale and for the bias, a byte per super-block for each unit): every token count matches
+/// the f64 reference at every level, as the same matrix with f16 sides does, and 4.5625 bits
+/// are read per weight instead of 5. Sides off the grid (old
 /// checkpoints' biases, GGUF Q4_K) and partial super-blocks keep f16 / f32.
 #[test]
 fn vnni_level_holds_int4_sides_on_grids() {
@@ -399,9 +399,11 @@ fn vnni_level_holds_int4_sides_on_grids() {
             pool.install(|| qmatmul(qs, &x, n, cols, &grid, &mut a, DType::F32));
             assert_matches_reference(&a, &want, &mag, || format!("grid sides at {qs:?}, n={n}"));
             if qs == QSimd::Avx512Vnni {
+                // The grid tiles add the bias and zero-point term per super-block, in f32, where
+                // the f16-side tiles take the zero point off in integers: not the same bits,
+                // both within the reference's tolerance.
                 pool.install(|| qmatmul(qs, &x, n, cols, &half, &mut b, DType::F32));
-                let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "grid vs f16 sides at the VNNI level, n={n}: {a:?} vs {b:?}");
+                assert_matches_reference(&b, &want, &mag, || format!("f16 sides at {qs:?}, n={n}"));
             }
         }
     }
@@ -1181,13 +1183,14 @@ fn bench_decode_stream() {
     let mats: Vec<QMat> = (0..copies).map(|_| hold()).collect();
     let x = random_x(1, k, &mut seed);
     let mut out = vec![0.0f32; m];
-    // The best of 7 passes over all the copies.
+    // The best of 7 passes over all the copies (`QBENCH_PASSES`).
+    let passes: usize = std::env::var("QBENCH_PASSES").map_or(7, |v| v.parse().expect("QBENCH_PASSES"));
     let mut best = f64::INFINITY;
     if std::env::var_os("QBENCH_SPLIT").is_some() {
         // One one-thread pool per share, built before the clock starts.
         let pools: Vec<rayon::ThreadPool> =
             (0..threads).map(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap()).collect();
-        for _ in 0..7 {
+        for _ in 0..passes {
             let t = std::time::Instant::now();
             std::thread::scope(|sc| {
                 for (part, p1) in mats.chunks(mats.len().div_ceil(threads)).zip(&pools) {
@@ -1206,7 +1209,7 @@ fn bench_decode_stream() {
         }
     } else {
         pool.install(|| {
-            for _ in 0..7 {
+            for _ in 0..passes {
                 let t = std::time::Instant::now();
                 for w in &mats {
                     qmatmul(qs, &x, 1, k, w, &mut out, DType::F32);

@@ -498,8 +498,8 @@ unsafe fn run<'a, K: Kernel>(
             let tt = (nt - t).min(K::MAX_T);
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
-                // The last token tile over these rows: fetch the next rows meanwhile.
-                a.next_rows = (r1 - r - nr).min(nr);
+                // The last token tile over these rows: fetch the rows ahead meanwhile.
+                a.plan_prefetch(r == r0, nr, r1 - r - nr);
             }
             let base = t * ld + r - r0;
             macro_rules! go {

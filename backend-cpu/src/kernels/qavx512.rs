@@ -9,9 +9,13 @@
 //! activation scales of lanes 8-15 carry the factor 1/16: a power of two, so the products are
 //! bit-identical to unpacking the nibbles). The zero point (128 for int8, 8 for int4, 128 for
 //! the int4 high nibbles in place, 32 for int6) is removed exactly: each `vpdpbusd` starts from
-//! `-zero *` the activations' 4-column sums instead of 0. Int6 chunks are unpacked to `0..=63`
-//! in column order (`I6`: two broadcast loads, a shift, a rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F,
-//! AVX-512BW and AVX-512 VNNI (and F16C, for f16 scales).
+//! `-zero *` the activations' 4-column sums instead of 0; except on int4 with grid sides
+//! (`spark-run quantize`'s int4, the decode path), where it comes off in f32 with the bias
+//! term, once per super-block and row (`sum_g (bias_g - 8 scale_g) A_g`), and the scale
+//! products are formed once per super-block too: a third fewer operations per chunk. Int6
+//! chunks are unpacked to `0..=63` in column order (`I6`: two broadcast loads, a shift, a
+//! rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F, AVX-512BW
+//! and AVX-512 VNNI (and F16C, for f16 scales).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -25,6 +29,9 @@ use super::qmatmul::{Grid, ScaleMode, SideEl, TileArgs, I6_CHUNK_BYTES, QBLOCK, 
 trait Fmt {
     /// Whether the weight bytes are unpacked from nibbles (extra registers).
     const UNPACK: bool = false;
+    /// The zero point of the stored values, in the units of the scales (what [`Fmt::start`]
+    /// takes off; the grid tiles take it off with the bias term instead).
+    const ZERO: i32;
     /// `-zero * s` for the 4-column activation sums `s`.
     unsafe fn start(s: __m512i) -> __m512i;
     unsafe fn chunk(w: *const u8, c: usize) -> __m512i;
@@ -34,6 +41,12 @@ trait Fmt {
     unsafe fn act_scales(dv: __m512) -> __m512 {
         dv
     }
+    /// The same for eight consecutive blocks' scales from an even block: what
+    /// [`Fmt::act_scales`] gives the lanes of each block.
+    #[inline(always)]
+    unsafe fn block_act_scales(d8: __m256) -> __m256 {
+        d8
+    }
 }
 
 struct I8;
@@ -41,6 +54,7 @@ struct I4;
 struct I6;
 
 impl Fmt for I8 {
+    const ZERO: i32 = 128;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(s))
@@ -54,6 +68,7 @@ impl Fmt for I8 {
 
 impl Fmt for I4 {
     const UNPACK: bool = true;
+    const ZERO: i32 = 8;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
         // Lanes 0-7: low nibbles, zero point 8; lanes 8-15: high nibbles in place, 16 * 8.
@@ -69,10 +84,16 @@ impl Fmt for I4 {
     unsafe fn act_scales(dv: __m512) -> __m512 {
         _mm512_mul_ps(dv, I4_LANE_SCALE.v)
     }
+    #[inline(always)]
+    unsafe fn block_act_scales(d8: __m256) -> __m256 {
+        // Block `2j + 1` is chunk `j`'s high nibbles.
+        _mm256_mul_ps(d8, _mm256_setr_ps(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625))
+    }
 }
 
 impl Fmt for I6 {
     const UNPACK: bool = true;
+    const ZERO: i32 = 32;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
         // Zero point 32 in every lane.
@@ -223,8 +244,8 @@ impl Scale for Quad {
 
 /// One scale per 32-block from a [`Grid`] (`spark-run quantize`'s int4 at the VNNI level):
 /// the tile converts a super-block's eight `k` once per row (`k * 2^e`, exactly the f16 scales'
-/// values) and spreads a chunk's two with one permute; the biases' term likewise
-/// ([`TileArgs::grid_bias_term`]).
+/// values), multiplies them by the activation scales and spreads a chunk's two products with
+/// one permute; it adds the super-block's bias and zero-point term at the same time.
 struct GridPair;
 
 impl Scale for GridPair {
@@ -236,14 +257,16 @@ impl Scale for GridPair {
     }
 }
 
-/// A super-block's eight scales `k * 2^e` in lanes 0-7 (from the row's `k` at `k`).
+/// A super-block's eight scales or biases `k * 2^e` (from the row's `k` at `k`: unsigned
+/// bytes for scales, signed for biases).
 ///
 /// # Safety
 /// Eight readable bytes at `k`; AVX2 (inlined into the tile).
 #[inline(always)]
-unsafe fn grid_scales(k: *const u8, e: i8) -> __m512 {
-    let kv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(k as *const __m128i));
-    _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(kv), _mm256_set1_ps(Grid::unit(e))))
+unsafe fn grid_sides<const SIGNED: bool>(k: *const u8, e: i8) -> __m256 {
+    let b = _mm_loadl_epi64(k as *const __m128i);
+    let kv = if SIGNED { _mm256_cvtepi8_epi32(b) } else { _mm256_cvtepu8_epi32(b) };
+    _mm256_mul_ps(_mm256_cvtepi32_ps(kv), _mm256_set1_ps(Grid::unit(e)))
 }
 
 #[repr(C)]
@@ -279,11 +302,16 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     } else {
         [super::Prefetcher::none(), super::Prefetcher::none()]
     };
-    // With grids: each row's scales of the current super-block (lanes 0-7), converted once
-    // per super-block; the chunks go a super-block at a time (a constant count, unrolled, so
-    // each chunk's permute index is a constant).
-    let mut s8 = [_mm512_setzero_ps(); R];
+    // With grids, once per super-block: per row and token, its eight `weight scale *
+    // activation scale` products (lanes 0-7; formed per chunk they cost a multiply per row
+    // and chunk, a seventh of the int4 GEMV's work), and its share of the bias and zero-point
+    // term, `sum_g (bias_g - zero scale_g) A_g`, added to the accumulator's lanes 0-7 (as a
+    // separate pass after the row it cost about as much as the chunks' arithmetic at 2048
+    // columns). The chunks go a super-block at a time (a constant count, unrolled, so each
+    // chunk's permute index is a constant).
+    let mut sd = [[_mm512_setzero_ps(); T]; R];
     let nsb = a.ng / SUPER_BLOCKS;
+    let biased = !a.b.is_null();
     for c0 in (0..nc).step_by(per) {
         if S::GRID {
             let sb = c0 / per;
@@ -291,8 +319,29 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             pb.step(sb);
             pe.step(sb);
             pbe.step(sb);
+            let g0 = sb * SUPER_BLOCKS;
+            let mut d8 = [_mm256_setzero_ps(); T];
+            let mut a8 = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                d8[t] = F::block_act_scales(_mm256_loadu_ps(a.d.add(t * nb + g0)));
+                a8[t] = _mm512_zextps256_ps512(_mm256_loadu_ps(a.ga.add(t * a.ng + g0)));
+            }
             for r in 0..R {
-                s8[r] = grid_scales(a.s.add(r * a.ng + sb * SUPER_BLOCKS), *a.sexp.add(r * nsb + sb));
+                let s8 = grid_sides::<false>(a.s.add(r * a.ng + g0), *a.sexp.add(r * nsb + sb));
+                for t in 0..T {
+                    sd[r][t] = _mm512_castps256_ps512(_mm256_mul_ps(s8, d8[t]));
+                }
+                let z = _mm256_set1_ps(-(F::ZERO as f32));
+                let w8 = if biased {
+                    let b8 = grid_sides::<true>(a.b.add(r * a.ng + g0), *a.bexp.add(r * nsb + sb));
+                    _mm256_fmadd_ps(s8, z, b8)
+                } else {
+                    _mm256_mul_ps(s8, z)
+                };
+                let w8 = _mm512_zextps256_ps512(w8);
+                for t in 0..T {
+                    acc[r][t] = _mm512_fmadd_ps(w8, a8[t], acc[r][t]);
+                }
             }
         }
         for j in 0..per {
@@ -304,24 +353,38 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             }
             let mut wv = [_mm512_setzero_si512(); R];
             let mut sv = [_mm512_setzero_ps(); R];
-            // With grids, this chunk's two blocks: lanes 0-7 from `k[2j]`, 8-15 from `k[2j + 1]`.
+            // With grids, this chunk's two blocks: lanes 0-7 from product `2j`, 8-15 from
+            // `2j + 1`.
             let idx = _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32));
             for r in 0..R {
                 wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
-                if S::GRID {
-                    sv[r] = _mm512_permutexvar_ps(idx, s8[r]);
-                } else if !S::ROW {
+                if !S::ROW && !S::GRID {
                     sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
                 }
             }
             for t in 0..T {
                 let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
-                let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
-                let dv = F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)));
-                let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
+                let dv = if S::GRID {
+                    _mm512_setzero_ps()
+                } else {
+                    let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
+                    F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)))
+                };
+                // With grids the zero point comes off with the bias term, in f32.
+                let z = if S::GRID {
+                    _mm512_setzero_si512()
+                } else {
+                    F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _))
+                };
                 for r in 0..R {
                     let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
-                    let scale = if S::ROW { dv } else { _mm512_mul_ps(sv[r], dv) };
+                    let scale = if S::GRID {
+                        _mm512_permutexvar_ps(idx, sd[r][t])
+                    } else if S::ROW {
+                        dv
+                    } else {
+                        _mm512_mul_ps(sv[r], dv)
+                    };
                     acc[r][t] = _mm512_fmadd_ps(p, scale, acc[r][t]);
                 }
             }
@@ -334,7 +397,9 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             if S::ROW {
                 out[r][t] *= E::get(a.s.cast::<E>(), r * a.ng);
             }
-            out[r][t] += if S::GRID { a.grid_bias_term(r, t) } else { a.bias_term::<E>(r, t, 0) };
+            if !S::GRID {
+                out[r][t] += a.bias_term::<E>(r, t, 0);
+            }
         }
     }
     out
@@ -416,8 +481,8 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
             let tt = (nt - t).min(if S::WIDE_SCALES && F::UNPACK { 3 } else { 4 });
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
-                // The last token tile over these rows: fetch the next rows meanwhile.
-                a.next_rows = (r1 - r - nr).min(nr);
+                // The last token tile over these rows: fetch the rows ahead meanwhile.
+                a.plan_prefetch(r == r0, nr, r1 - r - nr);
             }
             let base = t * ld + r - r0;
             macro_rules! go {
