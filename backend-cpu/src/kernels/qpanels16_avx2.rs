@@ -34,6 +34,7 @@ use spark_core::quant::QFormat;
 use spark_core::DType;
 
 use super::qmatmul::QMat;
+use super::qpanels_avx2::Panel;
 use super::qprefill_avx2::{MR, ROWS};
 
 /// Columns sharing one activation scale (and, with per-row weight scales, one i32 sum): the
@@ -156,7 +157,7 @@ pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: D
         |rem| MR.min(rem),
         || Panel::new(w),
         // SAFETY: the assertion above checked AVX2.
-        |panel, p0| unsafe { panel.pack(w, p0) },
+        |panel, p0| unsafe { pack(panel, w, p0) },
         |panel, t, tb, res| {
             let ops = Ops {
                 w: panel.w.as_ptr(),
@@ -204,60 +205,30 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
-/// One panel's operands: rows `p0..p0 + 8` (zero weights past the matrix's last row).
-struct Panel {
-    /// `[kp / 2][8][2]` int8 values as i16.
-    w: Vec<i16>,
-    /// `[ng][8]` scales.
-    s: Vec<f32>,
-    /// `[ng][8]` biases.
-    z: Vec<f32>,
-    /// The rows' values in column order (`[8][kp]`), before the interleave.
-    rows: Vec<i16>,
+/// Rows `p0..` of an int8 `w` into `panel`, widened to i16 (sides with no zero point).
+///
+/// # Safety
+/// AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn pack(panel: &mut Panel<i16>, w: &QMat, p0: usize) {
+    // SAFETY: AVX2 (this function's precondition), and for `widen_row`: each source is one
+    // packed int8 row of kp bytes, each destination a panel row of kp i16.
+    unsafe { panel.fill(w, p0, 0.0, |src, dst| widen_row(src, dst)) };
 }
 
-impl Panel {
-    fn new(w: &QMat) -> Panel {
-        Panel {
-            w: vec![0; w.kp * ROWS],
-            s: vec![0.0; w.ng * ROWS],
-            z: vec![0.0; w.ng * ROWS],
-            rows: vec![0; ROWS * w.kp],
-        }
-    }
-
-    /// Fill with rows `p0..` of `w`.
-    ///
-    /// # Safety
-    /// AVX2.
-    #[target_feature(enable = "avx2")]
-    unsafe fn pack(&mut self, w: &QMat, p0: usize) {
-        let (kp, rb) = (w.kp, w.row_bytes());
-        let nr = ROWS.min(w.rows - p0);
-        if nr < ROWS {
-            self.rows.fill(0);
-            self.s.fill(0.0);
-            self.z.fill(0.0);
-        }
-        for j in 0..nr {
-            let r = p0 + j;
-            let src = &w.packed()[r * rb..(r + 1) * rb];
-            let dst = &mut self.rows[j * kp..(j + 1) * kp];
-            for (c, d) in dst.chunks_exact_mut(16).enumerate() {
-                // SAFETY: 16 bytes at 16 c of the row's kp; 16 i16 in `d`.
-                unsafe {
-                    let v = _mm256_cvtepi8_epi16(_mm_loadu_si128(src.as_ptr().add(16 * c) as *const __m128i));
-                    _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, v);
-                }
-            }
-            super::qpanels_avx2::row_sides(w, r, j, 0.0, &mut self.s, &mut self.z);
-        }
-        // Each row's column pairs (4 bytes) to steps of 8 rows.
-        // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of 2 kp bytes
-        // and `self.w` kp / 2 steps of 32 bytes; kp is a multiple of 64.
+/// Int8 values to i16, 16 at a time (`dst.len()` of them, a multiple of 16).
+///
+/// # Safety
+/// AVX2; `src` holds at least `dst.len()` bytes.
+#[target_feature(enable = "avx2")]
+unsafe fn widen_row(src: &[u8], dst: &mut [i16]) {
+    for (c, d) in dst.chunks_exact_mut(16).enumerate() {
+        // SAFETY: 16 bytes at 16 c of the row (16 c + 16 <= dst.len() <= src.len()); 16 i16 in
+        // `d`.
         unsafe {
-            super::qpanels_avx2::interleave(self.rows.as_ptr() as *const u8, 2 * kp, self.w.as_mut_ptr() as *mut u8)
-        };
+            let v = _mm256_cvtepi8_epi16(_mm_loadu_si128(src.as_ptr().add(16 * c) as *const __m128i));
+            _mm256_storeu_si256(d.as_mut_ptr() as *mut __m256i, v);
+        }
     }
 }
 

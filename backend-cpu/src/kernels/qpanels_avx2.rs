@@ -65,7 +65,7 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
         |rem| if rem >= mr { mr } else { 1 },
         || Panel::new(w),
         // SAFETY: the caller checked the AVX2 level.
-        |panel, p0| unsafe { panel.pack(w, p0) },
+        |panel, p0| unsafe { pack(panel, w, p0) },
         |panel, t, tb, res| {
             let ops = Ops {
                 w: panel.w.as_ptr(),
@@ -104,54 +104,66 @@ pub(super) fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], r
     );
 }
 
-/// One panel's operands: rows `p0..p0 + 8` (zero weights past the matrix's last row).
-struct Panel {
-    /// `[kp / 4][8][4]` bytes.
-    w: Vec<u8>,
+/// One panel's operands: rows `p0..p0 + 8` (zero weights past the matrix's last row), of
+/// weights as `T` (unsigned bytes here, i16 in [`super::qpanels16_avx2`]).
+pub(super) struct Panel<T> {
+    /// The interleaved weights: `[kp / 4][8][4]` bytes, or `[kp / 2][8][2]` i16.
+    pub(super) w: Vec<T>,
     /// `[ng][8]` scales.
-    s: Vec<f32>,
+    pub(super) s: Vec<f32>,
     /// `[ng][8]` `bias - zero scale`.
-    z: Vec<f32>,
+    pub(super) z: Vec<f32>,
     /// The rows' values in column order (`[8][kp]`), before the interleave.
-    rows: Vec<u8>,
+    rows: Vec<T>,
 }
 
-impl Panel {
-    fn new(w: &QMat) -> Panel {
+impl<T: Copy + Default> Panel<T> {
+    pub(super) fn new(w: &QMat) -> Panel<T> {
         Panel {
-            w: vec![0; w.kp / 4 * PLANE],
+            w: vec![T::default(); ROWS * w.kp],
             s: vec![0.0; w.ng * ROWS],
             z: vec![0.0; w.ng * ROWS],
-            rows: vec![0; ROWS * w.kp],
+            rows: vec![T::default(); ROWS * w.kp],
         }
     }
 
-    /// Fill with rows `p0..` of `w` (int6 or int4).
+    /// Fill with rows `p0..` of `w`: each packed row through `unpack` (into `kp` values in
+    /// column order), its sides with `zero` ([`row_sides`]), then the interleave.
     ///
     /// # Safety
-    /// AVX2.
+    /// AVX2; `T` is `u8` or `i16` (the interleave moves `kp` of them per row as bytes).
     #[target_feature(enable = "avx2")]
-    unsafe fn pack(&mut self, w: &QMat, p0: usize) {
+    pub(super) unsafe fn fill(&mut self, w: &QMat, p0: usize, zero: f32, mut unpack: impl FnMut(&[u8], &mut [T])) {
         let (kp, rb) = (w.kp, w.row_bytes());
         let nr = ROWS.min(w.rows - p0);
         if nr < ROWS {
-            self.rows.fill(0);
+            self.rows.fill(T::default());
             self.s.fill(0.0);
             self.z.fill(0.0);
         }
-        let zero = if w.format == QFormat::I6 { 32.0 } else { 8.0 };
         for j in 0..nr {
             let r = p0 + j;
-            let src = &w.packed()[r * rb..(r + 1) * rb];
-            // SAFETY: AVX2 (this function's precondition); `src` is one packed row of `w`'s
-            // format and row j of `self.rows` holds kp bytes.
-            unsafe { unpack_row(w.format, src, kp, &mut self.rows[j * kp..(j + 1) * kp]) };
+            unpack(&w.packed()[r * rb..(r + 1) * rb], &mut self.rows[j * kp..(j + 1) * kp]);
             row_sides(w, r, j, zero, &mut self.s, &mut self.z);
         }
-        // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of kp bytes and
-        // `self.w` kp / 4 steps of 32 bytes; kp is a multiple of 64.
-        unsafe { interleave(self.rows.as_ptr(), kp, self.w.as_mut_ptr()) };
+        let row_bytes = kp * std::mem::size_of::<T>();
+        // SAFETY: AVX2 (this function's precondition); `self.rows` holds 8 rows of `row_bytes`
+        // bytes and `self.w` as many; `row_bytes` is a multiple of 64 (kp is).
+        unsafe { interleave(self.rows.as_ptr() as *const u8, row_bytes, self.w.as_mut_ptr() as *mut u8) };
     }
+}
+
+/// Rows `p0..` of an int6 or int4 `w` into `panel`: their unsigned values `q + zero`.
+///
+/// # Safety
+/// AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn pack(panel: &mut Panel<u8>, w: &QMat, p0: usize) {
+    let zero = if w.format == QFormat::I6 { 32.0 } else { 8.0 };
+    let (format, kp) = (w.format, w.kp);
+    // SAFETY: AVX2 (this function's precondition), and for `unpack_row`: each source is one
+    // packed row of `w`'s format, each destination a panel row of kp bytes.
+    unsafe { panel.fill(w, p0, zero, |src, dst| unpack_row(format, src, kp, dst)) };
 }
 
 /// Row `r` of `w` as row `j` of a panel's sides: its group scales into `s[g * 8 + j]` and
