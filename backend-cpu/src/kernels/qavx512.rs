@@ -304,11 +304,11 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     };
     // With grids, once per super-block: per row and token, its eight `weight scale *
     // activation scale` products (lanes 0-7; formed per chunk they cost a multiply per row
-    // and chunk, a seventh of the int4 GEMV's work), and its share of the bias and zero-point
-    // term, `sum_g (bias_g - zero scale_g) A_g`, added to the accumulator's lanes 0-7 (as a
-    // separate pass after the row it cost about as much as the chunks' arithmetic at 2048
-    // columns). The chunks go a super-block at a time (a constant count, unrolled, so each
-    // chunk's permute index is a constant).
+    // and chunk, one of seven vector operations there), and its share of the bias and
+    // zero-point term, `sum_g (bias_g - zero scale_g) A_g`, added to the accumulator's lanes
+    // 0-7 (instead of a pass after the row that converted the scales again). Together: 18.5 ->
+    // 22.3 GB/s for a 2048 x 2048 GEMV in L3 on a Zen 4. The chunks go a super-block at a time
+    // (a constant count, unrolled, so each chunk's permute index is a constant).
     let mut sd = [[_mm512_setzero_ps(); T]; R];
     let nsb = a.ng / SUPER_BLOCKS;
     let biased = !a.b.is_null();
