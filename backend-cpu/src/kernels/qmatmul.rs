@@ -1518,3 +1518,62 @@ pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
     }
     acc
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tile's prefetch stays inside its task's rows (`after` rows follow the tile), reaches
+    /// about [`PREFETCH_AHEAD`] bytes ahead, and a task's first tile fetches every row up to
+    /// there, so that each later tile's rows were fetched by an earlier one.
+    #[test]
+    fn prefetch_plan_stays_inside_the_task_and_covers_each_row_once() {
+        for row_bytes in [64usize, 1152, 2048, 3456, 8192, 20000] {
+            for nr in [1usize, 2, 4, 8] {
+                for rows in [nr, 3 * nr, 17 * nr + 1, 64 * nr] {
+                    let mut fetched = vec![0u32; rows];
+                    let mut r = 0;
+                    while r < rows {
+                        let n = nr.min(rows - r);
+                        let mut a = TileArgs {
+                            w: std::ptr::null(),
+                            row_bytes,
+                            s: std::ptr::null(),
+                            side_bytes: 2,
+                            ng: 1,
+                            sidx: &[],
+                            q: std::ptr::null(),
+                            d: std::ptr::null(),
+                            s4: std::ptr::null(),
+                            b: std::ptr::null(),
+                            ga: std::ptr::null(),
+                            kp: 64,
+                            k: std::ptr::null(),
+                            unit: std::ptr::null(),
+                            sexp: std::ptr::null(),
+                            bexp: std::ptr::null(),
+                            next_rows: 0,
+                            skip_rows: 0,
+                        };
+                        let after = rows - r - n;
+                        a.plan_prefetch(r == 0, n, after);
+                        assert!(a.skip_rows + a.next_rows <= after, "{row_bytes} {nr} {rows} at {r}");
+                        let first = r + n + a.skip_rows;
+                        for f in &mut fetched[first..first + a.next_rows] {
+                            *f += 1;
+                        }
+                        if a.next_rows > 0 {
+                            let ahead = (a.skip_rows + a.next_rows) * row_bytes;
+                            assert!(ahead < PREFETCH_AHEAD + (PREFETCH_TILES + 1) * n * row_bytes, "{ahead}");
+                        }
+                        r += n;
+                    }
+                    // Every row past the first tile is fetched once when the tiles are whole.
+                    if rows % nr == 0 {
+                        assert!(fetched[nr..].iter().all(|&c| c == 1), "{row_bytes} {nr} {rows}: {fetched:?}");
+                    }
+                }
+            }
+        }
+    }
+}
