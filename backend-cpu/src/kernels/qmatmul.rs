@@ -1116,10 +1116,15 @@ impl TileArgs<'_> {
         self.next_rows = (after - self.skip_rows).min(rows);
     }
 
+    /// The first row (counted from the tile's) to prefetch: `skip_rows` after its `tile_rows`.
+    fn fetch_from(&self, tile_rows: usize) -> usize {
+        tile_rows + self.skip_rows
+    }
+
     /// The prefetch of the `next_rows` rows `skip_rows` after this tile's `tile_rows`, over
     /// its `n` steps.
     pub fn prefetcher(&self, tile_rows: usize, n: usize) -> Prefetcher {
-        Prefetcher::rows(self.w, self.row_bytes, tile_rows + self.skip_rows, self.next_rows, n)
+        Prefetcher::rows(self.w, self.row_bytes, self.fetch_from(tile_rows), self.next_rows, n)
     }
 
     /// The same for the next rows' scales (or sub-scales `k`) and biases (separate arrays; with
@@ -1131,13 +1136,13 @@ impl TileArgs<'_> {
         let bias = if self.b.is_null() {
             Prefetcher::none()
         } else {
-            Prefetcher::rows(self.b, rb, tile_rows + self.skip_rows, nr, n)
+            Prefetcher::rows(self.b, rb, self.fetch_from(tile_rows), nr, n)
         };
         // With sub-scales the kernels read `k` (a byte per group) instead of the scales.
         let scales = if !self.k.is_null() {
-            Prefetcher::rows(self.k, self.ng, tile_rows + self.skip_rows, nr, n)
+            Prefetcher::rows(self.k, self.ng, self.fetch_from(tile_rows), nr, n)
         } else if self.ng > 1 {
-            Prefetcher::rows(self.s, rb, tile_rows + self.skip_rows, nr, n)
+            Prefetcher::rows(self.s, rb, self.fetch_from(tile_rows), nr, n)
         } else {
             Prefetcher::none()
         };
@@ -1152,7 +1157,7 @@ impl TileArgs<'_> {
             if p.is_null() {
                 Prefetcher::none()
             } else {
-                Prefetcher::rows(p.cast(), nsb, tile_rows + self.skip_rows, nr, n)
+                Prefetcher::rows(p.cast(), nsb, self.fetch_from(tile_rows), nr, n)
             }
         };
         [at(self.sexp), at(self.bexp)]
