@@ -458,7 +458,17 @@ fn bench_json_has_the_documented_fields() {
     assert_eq!(lines[0]["test"], "pp16");
     assert_eq!(lines[1]["test"], "tg4");
     for o in &lines {
-        for k in ["tok_s_mean", "tok_s_sd", "threads", "precision", "load_s", "rss_anon_settled_gb", "logit_snr_db"] {
+        for k in [
+            "tok_s_mean",
+            "tok_s_sd",
+            "threads",
+            "precision",
+            "load_s",
+            "rss_anon_settled_gb",
+            "logit_snr_db",
+            "logit_snr_db_decode",
+            "greedy_agree_decode",
+        ] {
             assert!(!o[k].is_null(), "{k} missing in {o}");
         }
         assert!(o["precision"].as_str().unwrap().starts_with("int8"), "{o}");
@@ -467,4 +477,7 @@ fn bench_json_has_the_documented_fields() {
     assert!(lines[1]["bytes_per_token"].as_f64().unwrap() > 0.0);
     assert!(lines[1]["roofline_pct"].as_f64().unwrap() > 0.0);
     assert!(lines[1]["logit_snr_db"].as_f64().unwrap() > 30.0, "{}", lines[1]);
+    // The decode path (one token per step, int8 activations per 32 columns) on its own.
+    assert!(lines[1]["logit_snr_db_decode"].as_f64().unwrap() > 30.0, "{}", lines[1]);
+    assert!(lines[1]["greedy_agree_decode"].as_f64().unwrap() > 0.8, "{}", lines[1]);
 }

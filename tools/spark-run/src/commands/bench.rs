@@ -2,7 +2,8 @@
 //! each test repeated `-r` times, mean and standard deviation of tokens/s reported; for decode
 //! the weight bytes one step reads and the share of the machine's measured read-bandwidth
 //! roofline; load time, peak and settled anonymous memory (RssAnon); and, with `--snr`, the logit
-//! SNR and greedy agreement of this (quantized) model against f32 on a fixed prompt.
+//! SNR and greedy agreement of this (quantized) model against f32 on a fixed prompt, both as one
+//! prefill step and fed one token per step (the decode path, whose kernels differ).
 //! `--roofline` measures and prints the machine's read bandwidth and f32 FMA peak.
 
 use std::path::Path;
@@ -58,6 +59,7 @@ pub struct BenchArgs {
     pub roofline: bool,
     /// Also report the logit SNR (dB) and greedy agreement against an f32 reference on a fixed
     /// 64-token prompt: the same checkpoint unquantized in f32 (with --quant), or --reference.
+    /// Twice: the prompt as one prefill step, and fed one token per step (the decode kernels).
     #[arg(long)]
     pub snr: bool,
     /// The f32 reference checkpoint for --snr (default: --model itself, without --quant).
@@ -296,6 +298,29 @@ fn all_logits(exec: &mut dyn spark_core::Executor, ids: &[u32]) -> Result<Vec<f3
     Ok(out)
 }
 
+/// The logits of `ids` fed one token per step (cached attention and the decode kernels: on the
+/// CPU the GEMVs with their own activation quantization), one row per token.
+fn step_logits(exec: &mut dyn spark_core::Executor, ids: &[u32]) -> Result<Vec<f32>> {
+    const SEQ: u64 = 9_000_002;
+    let v = exec.info().vocab;
+    let mut out = vec![0.0f32; ids.len() * v];
+    let r = ids.iter().zip(out.chunks_mut(v)).enumerate().try_for_each(|(i, (id, o))| {
+        let step =
+            SeqStep { seq_id: SEQ, tokens: std::slice::from_ref(id), start_pos: i as u32, logits: LogitsMode::Last };
+        exec.forward(&[step], o)
+    });
+    exec.release(SEQ);
+    r?;
+    Ok(out)
+}
+
+/// Logit SNR (dB) of `test` against `reference` and how many of their `n` rows agree on the
+/// top token.
+fn fidelity(reference: &[f32], test: &[f32], v: usize) -> (f64, usize) {
+    let agree = reference.chunks(v).zip(test.chunks(v)).filter(|(r, t)| argmax(r) == argmax(t)).count();
+    (snr_db(reference, test), agree)
+}
+
 fn argmax(v: &[f32]) -> usize {
     v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
 }
@@ -478,6 +503,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mut r = Xoshiro256::new(7);
         let ids: Vec<u32> = (0..64).map(|_| 3 + (r.next_u64() % (cfg.vocab as u64 - 3)) as u32).collect();
         let test = all_logits(l.exec.as_mut(), &ids)?;
+        let test_steps = step_logits(l.exec.as_mut(), &ids)?;
         drop(l.exec);
         let mut ref_args = a.model.clone();
         ref_args.quant = None;
@@ -492,12 +518,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             );
         }
         let mut rl = load::load(&ref_args).context("loading the f32 reference for --snr")?;
+        // One f32 reference for both: its prefill and its decode path differ by the order of
+        // f32 sums only.
         let reference = all_logits(rl.exec.as_mut(), &ids)?;
         let v = cfg.vocab;
-        let agree = (0..ids.len())
-            .filter(|&i| argmax(&test[i * v..(i + 1) * v]) == argmax(&reference[i * v..(i + 1) * v]))
-            .count();
-        snr = Some((snr_db(&reference, &test), agree, ids.len()));
+        snr = Some((fidelity(&reference, &test, v), fidelity(&reference, &test_steps, v), ids.len()));
     }
 
     let gb = |b: u64| b as f64 / 1e9;
@@ -510,9 +535,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "ubatch": (r.test.starts_with("pp") && a.ubatch > 0).then_some(a.ubatch), "depth": a.depth,
                 "read_bw_gb_s": (bw > 0.0).then_some(bw / 1e9), "load_s": l.load_time.as_secs_f64(),
                 "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0))});
-            if let Some((s, ag, n)) = snr {
+            if let Some(((s, ag), (sd, agd), n)) = snr {
                 o["logit_snr_db"] = serde_json::json!(s);
                 o["greedy_agree"] = serde_json::json!(ag as f64 / n as f64);
+                o["logit_snr_db_decode"] = serde_json::json!(sd);
+                o["greedy_agree_decode"] = serde_json::json!(agd as f64 / n as f64);
             }
             println!("{o}");
         }
@@ -539,8 +566,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             bytes_per_token / 1e9,
             if bw > 0.0 { format!("; measured read bandwidth {:.1} GB/s", bw / 1e9) } else { String::new() }
         );
-        if let Some((s, ag, n)) = snr {
-            println!("fidelity vs f32 on a fixed {n}-token prompt: logit SNR {s:.1} dB, greedy agreement {ag}/{n}");
+        if let Some(((s, ag), (sd, agd), n)) = snr {
+            println!(
+                "fidelity vs f32 on a fixed {n}-token prompt: logit SNR {s:.1} dB, greedy agreement {ag}/{n} \
+                 (one prefill step); {sd:.1} dB, {agd}/{n} (one token per step: the decode path)"
+            );
         }
     }
     Ok(())
