@@ -42,7 +42,9 @@
 //! int8 rows then stay in cache while every row tile of the chunk runs over them) and register
 //! tiles of `R` rows x `T` tokens (each weight load reused for `T` tokens, each activation load
 //! for `R` rows). Paths: [`super::qavx512`] (VNNI), [`super::qavx2`] (`vpmaddubsw`), and the
-//! portable scalar kernel here, which is the reference.
+//! portable scalar kernel here, which is the reference. One exception to the int8 activations:
+//! at the VNNI level, int8 weights with a scale per row in steps of at most four tokens go to
+//! [`super::qdecode16_avx512`] (16-bit activations, one scale per 256 columns).
 
 use std::sync::Arc;
 
@@ -1360,6 +1362,11 @@ pub fn qmatmul(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f3
     let m = w.rows;
     assert_eq!(out.len(), n * m, "qmatmul: out has the wrong size");
     let qs = qs.min(QSimd::detect());
+    #[cfg(target_arch = "x86_64")]
+    if super::qdecode16_avx512::takes(qs, w, n) {
+        super::qdecode16_avx512::matmul(x, n, k, w, out, round);
+        return;
+    }
     let act = QAct::quantize_for(qs, x, n, k, w);
     qmatmul_quantized(qs, &act, w, out, round);
 }

@@ -43,21 +43,22 @@ pub const SPAN: usize = 256;
 /// Largest activation magnitude (never -32768, so a `vpmaddwd` pair cannot overflow).
 const QMAX: f32 = 32767.0;
 
-/// The activations as [`matmul`] reads them.
-struct Act16 {
+/// The activations as [`matmul`] (and the VNNI W8A16 decode GEMV,
+/// [`super::qdecode16_avx512`]) read them.
+pub(crate) struct Act16 {
     /// `[n][kp]`, zero past the `k` real columns.
-    q: Vec<i16>,
+    pub(crate) q: Vec<i16>,
     /// `[n][nspan]` scales.
-    d: Vec<f32>,
+    pub(crate) d: Vec<f32>,
     /// `[n][ng]` sums of each weight group's columns (empty without weight biases).
-    a: Vec<f32>,
-    nspan: usize,
+    pub(crate) a: Vec<f32>,
+    pub(crate) nspan: usize,
 }
 
 impl Act16 {
     /// Quantize `x` (`[n, k]`) for `w`: 16-bit values with one scale per [`SPAN`] columns,
-    /// tokens in parallel on the current rayon pool.
-    fn quantize(x: &[f32], n: usize, k: usize, w: &QMat) -> Act16 {
+    /// tokens in parallel on the current rayon pool. Needs AVX2.
+    pub(crate) fn quantize(x: &[f32], n: usize, k: usize, w: &QMat) -> Act16 {
         let kp = w.kp;
         let nspan = kp.div_ceil(SPAN);
         let sums = w.bias().is_some();
