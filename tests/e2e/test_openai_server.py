@@ -377,3 +377,31 @@ def test_tool_choice_none_gives_no_calls(scripted):
         model=scripted.model, messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none"
     )
     assert not r.choices[0].message.tool_calls
+
+
+def test_stop_string_keeps_what_came_before_it(tmp_path):
+    # A stop string inside a tool call: the call it cut short is still recovered (it was lost,
+    # with its text, before session 30), streamed or not; the logprobs count every token.
+    call = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value></tool_call>"
+    f = tmp_path / "script.txt"
+    f.write_text("\n---\n".join(["Sure.</think>" + call] * 2 + ["Sure.</think>It is sunny in Hefei today. STOP more"]))
+    s = Server("--scripted-reply", str(f))
+    try:
+        args = dict(model=s.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+        r = s.client.chat.completions.create(stop=["</arg_value>"], logprobs=True, **args)
+        ch = r.choices[0]
+        assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
+        assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Hefei"}
+        assert ch.finish_reason == "tool_calls"
+        assert len(ch.logprobs.content) == r.usage.completion_tokens
+        calls = []
+        for chunk in s.client.chat.completions.create(stop=["</arg_value>"], stream=True, **args):
+            for c in chunk.choices:
+                calls += [t.function.name for t in c.delta.tool_calls or []]
+        assert calls == ["get_weather"]
+        r = s.client.chat.completions.create(stop=["STOP"], **args)
+        assert r.choices[0].message.content.startswith("It is sunny in Hefei today.")
+        assert "STOP" not in r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"
+    finally:
+        s.stop()

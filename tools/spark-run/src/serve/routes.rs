@@ -540,7 +540,10 @@ async fn start(
 /// What came out of one event.
 enum Step {
     Deltas(Vec<Delta>, Option<Value>),
-    Done(&'static str, usize),
+    /// The end: the finish reason, the completion tokens, and the last deltas (with a stop
+    /// string, those of its token: the text before it and what the tool-call parser still held,
+    /// such as a call the stop string cut short) and the last token's logprob.
+    Done(&'static str, usize, Vec<Delta>, Option<Value>),
     Failed(String),
 }
 
@@ -575,9 +578,9 @@ fn on_event(job: &Job, pipe: &mut Pipeline<'_>, ev: Event, generated: &mut usize
             };
             let deltas = if stop { vec![] } else { pipe.token(id) };
             if pipe.is_finished() {
-                // A stop string: end now and free the sequence.
+                // A stop string: end now and free the sequence, keeping what came before it.
                 job.state.engine.cancel(job.handle);
-                return Step::Done("stop", *generated);
+                return Step::Done("stop", *generated, deltas, lp);
             }
             Step::Deltas(deltas, lp)
         }
@@ -586,7 +589,7 @@ fn on_event(job: &Job, pipe: &mut Pipeline<'_>, ev: Event, generated: &mut usize
                 FinishReason::Length => "length",
                 _ => "stop",
             };
-            Step::Done(r, completion_tokens)
+            Step::Done(r, completion_tokens, pipe.finish(), None)
         }
         Event::Error(m) => Step::Failed(m),
     }
@@ -644,8 +647,9 @@ async fn collect(mut job: Job) -> Result<Response, ApiError> {
                 deltas.extend(d);
                 lps.extend(lp);
             }
-            Step::Done(r, n) => {
-                deltas.extend(pipe.finish());
+            Step::Done(r, n, d, lp) => {
+                deltas.extend(d);
+                lps.extend(lp);
                 break (r, n);
             }
             Step::Failed(m) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m)),
@@ -763,7 +767,10 @@ async fn stream_task(mut job: Job, tx: mpsc::Sender<Result<SseEvent, Infallible>
                 lps.extend(lp);
                 (d, None)
             }
-            Step::Done(r, n) => (pipe.finish(), Some((r, n))),
+            Step::Done(r, n, d, lp) => {
+                lps.extend(lp);
+                (d, Some((r, n)))
+            }
             Step::Failed(m) => break Err(m),
         };
         for d in &deltas {
