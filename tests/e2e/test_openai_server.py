@@ -405,3 +405,40 @@ def test_stop_string_keeps_what_came_before_it(tmp_path):
         assert r.choices[0].finish_reason == "stop"
     finally:
         s.stop()
+
+
+def test_stalled_clients_are_cut_off():
+    # Headers that never end and a body that stops arriving: the connection is closed after
+    # --read-timeout (the body with a 400 naming the timeout), and with --max-connections
+    # taken by such clients a normal request is served once their time is up.
+    s = Server("--read-timeout", "1", "--max-connections", "4")
+    try:
+        stalled = []
+        for _ in range(6):
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            stalled.append(c)
+        t0 = time.time()
+        r = s.client.chat.completions.create(
+            model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert r.choices[0].finish_reason in ("length", "stop")
+        assert time.time() - t0 < 30
+        for c in stalled:
+            c.settimeout(10)
+            try:
+                data = c.recv(1024)
+            except socket.timeout:
+                pytest.fail("a connection with unfinished headers was left open")
+            assert data == b"" or data.startswith(b"HTTP/1.1 4"), data
+            c.close()
+        c = socket.create_connection(("127.0.0.1", s.port))
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        c.settimeout(10)
+        reply = c.recv(4096).decode(errors="replace")
+        c.close()
+        assert reply.startswith("HTTP/1.1 400"), reply
+        assert "timeout" in reply, reply
+    finally:
+        s.stop()

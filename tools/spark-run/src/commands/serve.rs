@@ -36,6 +36,13 @@ pub struct ServeArgs {
     /// Largest request body.
     #[arg(long, default_value = "8MiB")]
     pub max_body: String,
+    /// Most client connections open at once (more wait to be accepted).
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Seconds a client may take to send a request's headers, or between pieces of its body,
+    /// before its connection is closed.
+    #[arg(long, default_value_t = 30)]
+    pub read_timeout: u64,
     /// TEST HOOK: emit these scripted model outputs (separated by lines `---`) for chat
     /// completions instead of sampling. For tests only.
     #[arg(long, hide = true, value_name = "FILE")]
@@ -70,6 +77,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.step_tokens == 0 {
         bail!("--step-tokens must be at least 1");
     }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    if a.read_timeout == 0 {
+        bail!("--read-timeout must be at least 1 (seconds)");
+    }
     let loaded = load::load(&a.model)?;
     let cfg = ServeConfig {
         host: a.host,
@@ -81,6 +94,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
             max_queue: a.max_queue,
         },
         body_limit,
+        max_connections: a.max_connections,
+        read_timeout: std::time::Duration::from_secs(a.read_timeout),
         scripted_reply: a.scripted_reply,
     };
     serve::run(cfg, loaded)

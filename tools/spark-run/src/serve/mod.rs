@@ -1,6 +1,7 @@
 //! `spark-run serve`: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
 //!
 //! - `engine`: the thread that owns the executor and runs the scheduler loop.
+//! - `listen`: the accept loop (connection cap, header deadline, graceful shutdown).
 //! - `routes`: the HTTP endpoints (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
 //!   `/health`, `/metrics`).
 //! - `openai`: error objects and request-field parsing.
@@ -9,6 +10,7 @@
 //! See docs/SERVING.md.
 
 mod engine;
+mod listen;
 mod openai;
 mod output;
 mod routes;
@@ -34,6 +36,10 @@ pub struct ServeConfig {
     pub scheduler: SchedulerConfig,
     /// Largest request body in bytes.
     pub body_limit: usize,
+    /// Most connections open at once.
+    pub max_connections: usize,
+    /// Longest wait for a request's headers, and for the next piece of its body.
+    pub read_timeout: std::time::Duration,
     /// TEST HOOK: a file of scripted model outputs (see [`Scripted`]).
     pub scripted_reply: Option<PathBuf>,
 }
@@ -128,7 +134,7 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
         next_id: AtomicU64::new(1),
         started: std::time::Instant::now(),
     });
-    let app = routes::router(state.clone(), cfg.body_limit);
+    let app = routes::router(state.clone(), cfg.body_limit, cfg.read_timeout);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting tokio")?;
     rt.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", cfg.host, cfg.port)
@@ -148,7 +154,8 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
             info.backend,
             listener.local_addr().map_or(addr.to_string(), |a| a.to_string())
         );
-        axum::serve(listener, app).with_graceful_shutdown(shutdown()).await.context("serving")?;
+        let limits = listen::ConnLimits { max_connections: cfg.max_connections, header_timeout: cfg.read_timeout };
+        listen::serve(listener, app, limits, shutdown()).await.context("serving")?;
         Ok::<(), anyhow::Error>(())
     })?;
     Ok(())

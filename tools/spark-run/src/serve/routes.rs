@@ -29,7 +29,9 @@ use super::AppState;
 
 type St = State<Arc<AppState>>;
 
-pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+/// The endpoints; request bodies at most `body_limit` bytes, each piece of one arriving within
+/// `body_timeout` of the last (a stalled upload fails with 400 instead of holding the connection).
+pub fn router(state: Arc<AppState>, body_limit: usize, body_timeout: std::time::Duration) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -38,6 +40,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_timeout))
         .with_state(state)
 }
 
