@@ -274,8 +274,14 @@ fn avx2_sub_scale_kernel_matches_f64_reference() {
                     pool.install(|| qmatmul_quantized(QSimd::Avx2, &act, &plain, &mut b, DType::F32));
                     assert_eq!(a, b, "sub-scales vs scales, half {half} cols={cols} rows={rows}");
                 }
-                // The public entry quantizes the same way at the AVX2 level.
-                if QSimd::detect() >= QSimd::Avx2 {
+                // The public entry quantizes the same way at the AVX2 level (except for what
+                // it sends to the 16-bit-activation decode GEMV: int8 per row up to 4 tokens,
+                // `int8_decode_on_16_bit_activations_matches_f64_reference`).
+                #[cfg(target_arch = "x86_64")]
+                let w16 = spark_backend_cpu::kernels::qdecode16::takes(QSimd::Avx2, &w, n);
+                #[cfg(not(target_arch = "x86_64"))]
+                let w16 = false;
+                if QSimd::detect() >= QSimd::Avx2 && !w16 {
                     let (mut a, mut b) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
                     pool.install(|| qmatmul(QSimd::Avx2, &x, n, cols, &w, &mut a, DType::F32));
                     pool.install(|| qmatmul_quantized(QSimd::Avx2, &act, &w, &mut b, DType::F32));
@@ -564,58 +570,59 @@ fn act16(x: &[f32], n: usize, k: usize) -> Vec<f64> {
     v
 }
 
-/// The VNNI decode GEMV on 16-bit activations (`qdecode16_avx512`: int8 per row, 1-4 tokens):
-/// against the f64 reference on the same 16-bit activations ([`act16`]) on odd shapes (a
-/// partial activation span, a partial row tile, column padding), f32 and f16 row scales, 1 and 2
-/// threads; `qmatmul` takes it at the VNNI level for those steps and not for 5 tokens.
+/// The decode GEMV on 16-bit activations (`qdecode16`: int8 per row, 1-4 tokens) at the AVX2
+/// and VNNI levels this CPU has: against the f64 reference on the same 16-bit activations
+/// ([`act16`]) on odd shapes (a partial activation span, partial row tiles, column padding), f32
+/// and f16 row scales, 1 and 2 threads; `qmatmul` takes it at those levels for those steps and
+/// not for 5 tokens (which stay on int8 activations: their reference is the W8A8 one).
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn vnni_int8_decode_on_16_bit_activations_matches_f64_reference() {
-    use spark_backend_cpu::kernels::qdecode16_avx512::{self, MAX_TOKENS};
-    if QSimd::detect() < QSimd::Avx512Vnni {
-        eprintln!("skipped: this CPU has no Avx512Vnni (or SPARK_CPU_SIMD caps it)");
-        return;
-    }
+fn int8_decode_on_16_bit_activations_matches_f64_reference() {
+    use spark_backend_cpu::kernels::qdecode16::{self, MAX_TOKENS};
     let mut seed = 53u64;
     let pools: Vec<_> =
         [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
-    for &(rows, cols) in &[(5usize, 64usize), (37, 320), (21, 2112), (64, 2048), (6, 112)] {
-        for half in [false, true] {
-            let qt = as_held(&random_q(rows, cols, QFormat::I8, cols, false, half, &mut seed), half);
-            let w = QMat::for_level(&qt, QSimd::Avx512Vnni);
-            let deq = qt.dequantize();
-            for n in 1..=MAX_TOKENS + 1 {
-                let x = random_x(n, cols, &mut seed);
-                let takes = qdecode16_avx512::takes(QSimd::Avx512Vnni, &w, n);
-                assert_eq!(takes, n <= MAX_TOKENS, "n = {n}");
-                let a = act16(&x, n, cols);
-                let (want, mag) = f64_reference_by(&deq, n, rows, cols, |t, c| a[t * cols + c]);
-                for pool in &pools {
-                    let mut out = vec![f32::NAN; n * rows];
-                    pool.install(|| qmatmul(QSimd::Avx512Vnni, &x, n, cols, &w, &mut out, DType::F32));
-                    let threads = pool.current_num_threads();
-                    if !takes {
-                        // Five tokens stay on the int8 activations.
-                        let act = QAct::quantize(&x, n, cols, &w);
-                        let (want8, mag8) = f64_reference(&deq, &act, rows, cols);
-                        assert_matches_reference(&out, &want8, &mag8, || format!("n={n} (W8A8)"));
-                        continue;
+    let levels: Vec<QSimd> = levels().into_iter().filter(|&q| matches!(q, QSimd::Avx2 | QSimd::Avx512Vnni)).collect();
+    for &qs in &levels {
+        for &(rows, cols) in &[(5usize, 64usize), (37, 320), (21, 2112), (64, 2048), (6, 112), (3, 256)] {
+            for half in [false, true] {
+                let qt = as_held(&random_q(rows, cols, QFormat::I8, cols, false, half, &mut seed), half);
+                let w = QMat::for_level(&qt, qs);
+                let deq = qt.dequantize();
+                for n in 1..=MAX_TOKENS + 1 {
+                    let x = random_x(n, cols, &mut seed);
+                    let takes = qdecode16::takes(qs, &w, n);
+                    assert_eq!(takes, n <= MAX_TOKENS, "{qs:?} n = {n}");
+                    let a = act16(&x, n, cols);
+                    let (want, mag) = f64_reference_by(&deq, n, rows, cols, |t, c| a[t * cols + c]);
+                    for pool in &pools {
+                        let mut out = vec![f32::NAN; n * rows];
+                        pool.install(|| qmatmul(qs, &x, n, cols, &w, &mut out, DType::F32));
+                        let threads = pool.current_num_threads();
+                        let what = || format!("{qs:?} half {half} {threads} threads n={n} rows={rows} cols={cols}");
+                        if !takes {
+                            let act = QAct::quantize_for(qs, &x, n, cols, &w);
+                            let (want8, mag8) = f64_reference(&deq, &act, rows, cols);
+                            assert_matches_reference(&out, &want8, &mag8, what);
+                            continue;
+                        }
+                        assert_matches_reference(&out, &want, &mag, what);
+                        let mut direct = vec![f32::NAN; n * rows];
+                        pool.install(|| qdecode16::matmul(qs, &x, n, cols, &w, &mut direct, DType::F32));
+                        assert_eq!(out, direct, "{}: qmatmul takes the W8A16 GEMV", what());
                     }
-                    assert_matches_reference(&out, &want, &mag, || {
-                        format!("half {half} {threads} threads n={n} rows={rows} cols={cols}")
-                    });
-                    let mut direct = vec![f32::NAN; n * rows];
-                    pool.install(|| qdecode16_avx512::matmul(&x, n, cols, &w, &mut direct, DType::F32));
-                    assert_eq!(out, direct, "qmatmul takes the W8A16 GEMV");
                 }
             }
         }
+        // Groups, biases and other formats stay on the W8A8 kernels.
+        let grouped = QMat::for_level(&random_q(8, 256, QFormat::I8, 32, false, true, &mut seed), qs);
+        assert!(!qdecode16::takes(qs, &grouped, 1));
+        let biased = QMat::for_level(&random_q(8, 256, QFormat::I8, 256, true, true, &mut seed), qs);
+        assert!(!qdecode16::takes(qs, &biased, 1));
+        let int4 = QMat::for_level(&random_q(8, 256, QFormat::I4, 256, false, true, &mut seed), qs);
+        assert!(!qdecode16::takes(qs, &int4, 1));
     }
-    // Groups, biases and other formats stay on the W8A8 tiles.
-    let grouped = QMat::for_level(&random_q(8, 256, QFormat::I8, 32, false, true, &mut seed), QSimd::Avx512Vnni);
-    assert!(!qdecode16_avx512::takes(QSimd::Avx512Vnni, &grouped, 1));
-    let int4 = QMat::for_level(&random_q(8, 256, QFormat::I4, 256, false, true, &mut seed), QSimd::Avx512Vnni);
-    assert!(!qdecode16_avx512::takes(QSimd::Avx512Vnni, &int4, 1));
+    assert!(!levels.is_empty() || QSimd::detect() < QSimd::Avx2, "AVX2 or VNNI present but not tested");
 }
 
 /// The int8 prefill panels (`qpanels16_avx2`) carry a non-finite activation into NaN outputs

@@ -34,7 +34,7 @@ pub mod matmul;
 pub mod portable;
 pub mod qavx2;
 pub mod qavx512;
-pub mod qdecode16_avx512;
+pub mod qdecode16;
 pub mod qmatmul;
 pub mod qpanels16_avx2;
 pub mod qpanels_avx2;

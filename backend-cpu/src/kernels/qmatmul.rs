@@ -43,8 +43,8 @@
 //! tiles of `R` rows x `T` tokens (each weight load reused for `T` tokens, each activation load
 //! for `R` rows). Paths: [`super::qavx512`] (VNNI), [`super::qavx2`] (`vpmaddubsw`), and the
 //! portable scalar kernel here, which is the reference. One exception to the int8 activations:
-//! at the VNNI level, int8 weights with a scale per row in steps of at most four tokens go to
-//! [`super::qdecode16_avx512`] (16-bit activations, one scale per 256 columns).
+//! at the AVX2 and VNNI levels, int8 weights with a scale per row in steps of at most four
+//! tokens go to [`super::qdecode16`] (16-bit activations, one scale per 256 columns).
 
 use std::sync::Arc;
 
@@ -1363,8 +1363,8 @@ pub fn qmatmul(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f3
     assert_eq!(out.len(), n * m, "qmatmul: out has the wrong size");
     let qs = qs.min(QSimd::detect());
     #[cfg(target_arch = "x86_64")]
-    if super::qdecode16_avx512::takes(qs, w, n) {
-        super::qdecode16_avx512::matmul(x, n, k, w, out, round);
+    if super::qdecode16::takes(qs, w, n) {
+        super::qdecode16::matmul(qs, x, n, k, w, out, round);
         return;
     }
     let act = QAct::quantize_for(qs, x, n, k, w);

@@ -44,7 +44,7 @@ pub const SPAN: usize = 256;
 const QMAX: f32 = 32767.0;
 
 /// The activations as [`matmul`] (and the VNNI W8A16 decode GEMV,
-/// [`super::qdecode16_avx512`]) read them.
+/// [`super::qdecode16`]) read them.
 pub(crate) struct Act16 {
     /// `[n][kp]`, zero past the `k` real columns.
     pub(crate) q: Vec<i16>,
