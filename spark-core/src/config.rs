@@ -139,6 +139,10 @@ fn token_ids(obj: &Map<String, Value>, name: &str) -> Result<Vec<u32>> {
     }
 }
 
+/// The most values one matrix of a checkpoint may have (2^40: 2 TB of bf16); larger products
+/// of config sizes are refused before anything is allocated.
+const MAX_ELEMENTS: usize = 1 << 40;
+
 impl ModelConfig {
     /// Read and validate `config.json` at `path`.
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -302,6 +306,24 @@ impl ModelConfig {
             ))
         })?;
 
+        // Sizes whose products index the weights and activations: each product must fit (a
+        // wrapped one would make a nonsense shape, named in no message).
+        for (what, a, b) in [
+            (
+                "num_attention_heads + 2 * num_key_value_heads, times head_dim",
+                n_heads.checked_add(n_kv_heads.saturating_mul(2)),
+                Some(head_dim),
+            ),
+            ("vocab_size times hidden_size", Some(vocab), Some(hidden)),
+            ("intermediate_size times hidden_size", Some(intermediate), Some(hidden)),
+            ("num_attention_heads times head_dim, times hidden_size", n_heads.checked_mul(head_dim), Some(hidden)),
+        ] {
+            if a.zip(b).and_then(|(a, b)| a.checked_mul(b)).is_none_or(|p| p > MAX_ELEMENTS) {
+                return Err(Error::model(format!(
+                    "config.json: {what} is beyond any checkpoint spark can hold (more than 2^40 values)"
+                )));
+            }
+        }
         Ok(ModelConfig {
             hidden,
             intermediate,
@@ -462,6 +484,28 @@ mod tests {
         let mut v = base();
         f(v.as_object_mut().unwrap());
         parse(&v).unwrap_err().message
+    }
+
+    /// Sizes whose products wrap around (or exceed 2^40 values) are refused, naming them.
+    #[test]
+    fn huge_sizes_are_refused_before_their_products_wrap() {
+        let e = err_with(|o| {
+            o.insert("num_attention_heads".into(), serde_json::json!(1u64 << 62));
+            o.insert("num_key_value_heads".into(), serde_json::json!(1u64 << 62));
+        });
+        assert!(e.contains("num_attention_heads + 2 * num_key_value_heads, times head_dim"), "{e}");
+        let e = err_with(|o| {
+            o.insert("head_dim".into(), serde_json::json!(1u64 << 62));
+        });
+        assert!(e.contains("times head_dim"), "{e}");
+        let e = err_with(|o| {
+            o.insert("vocab_size".into(), serde_json::json!(1u64 << 40));
+        });
+        assert!(e.contains("vocab_size times hidden_size"), "{e}");
+        let e = err_with(|o| {
+            o.insert("intermediate_size".into(), serde_json::json!(1u64 << 39));
+        });
+        assert!(e.contains("intermediate_size times hidden_size"), "{e}");
     }
 
     #[test]

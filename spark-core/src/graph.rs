@@ -17,6 +17,10 @@ use crate::quant::{quantize_tensor, QuantSpec};
 use crate::rope::RopeTable;
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights, Tensor, Weight};
 
+/// The largest context a model is served with (16M positions: 16x Spark-X2.5's 1M). Larger ones
+/// would need RoPE tables and KV page tables of many GiB before the first token.
+pub const MAX_CONTEXT: usize = 1 << 24;
+
 /// How to serve a model.
 #[derive(Debug, Clone, Default)]
 pub struct ModelOptions {
@@ -177,6 +181,13 @@ impl<B: Backend> Model<B> {
             return Err(Error::invalid(format!(
                 "context size {ctx} is outside 1..={} (max_position_embeddings)",
                 cfg.max_positions
+            )));
+        }
+        if ctx > MAX_CONTEXT {
+            return Err(Error::invalid(format!(
+                "context size {ctx} is more than spark serves ({MAX_CONTEXT} positions; Spark-X2.5 is trained for \
+                 1M): its RoPE tables alone would take {} GiB",
+                (ctx as u128 * cfg.head_dim as u128 * 8) >> 30
             )));
         }
         let b = &backend;

@@ -145,6 +145,9 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     if args.threads == Some(0) {
         anyhow::bail!("--threads must be at least 1");
     }
+    if let Some(t) = args.threads.filter(|&t| t > MAX_THREADS) {
+        anyhow::bail!("--threads {t}: at most {MAX_THREADS} (this machine has {})", cores());
+    }
     if args.ctx_size == 0 {
         anyhow::bail!("--ctx-size: context size 0 is invalid (it must be at least 1)");
     }
@@ -170,7 +173,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let exec = chosen.open(&model_dir, &opts).with_context(|| format!("loading {}", dir.display()))?;
     let config =
         if gguf { GgufFile::open(&dir)?.config()? } else { ModelConfig::from_file(&model_dir.join("config.json"))? };
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = args.threads.unwrap_or_else(cores);
     Ok(Loaded {
         dir: model_dir,
         config,
@@ -208,4 +211,13 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .filter(|x| !x.is_empty())
         .map(|x| x.parse::<u32>().with_context(|| format!("--ids: '{x}' is not a token id")))
         .collect()
+}
+
+/// The most worker threads `--threads` may ask for (each is an OS thread spinning between the
+/// steps' parallel regions; far more than the cores only slows a step down).
+const MAX_THREADS: usize = 1024;
+
+/// The cores this process may run on.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }

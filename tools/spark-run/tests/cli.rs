@@ -205,6 +205,31 @@ fn bad_input_gives_clear_errors() {
             ],
             "context size 0",
         ),
+        // Sizes near the top of the integer range (they wrapped around, then panicked or
+        // allocated without end).
+        (
+            ["bench", "-p", "8", "-n", "4", "-r", "1", "-t", "1", "--depth", "18446744073709551615"]
+                .map(String::from)
+                .to_vec(),
+            "-d plus -p or -n must fit in --ctx-size",
+        ),
+        (
+            ["bench", "-p", "0", "-n", "18446744073709551615", "-t", "1"].map(String::from).to_vec(),
+            "-d plus -p or -n must fit in --ctx-size",
+        ),
+        (
+            ["bench", "-p", "1", "-n", "1", "-r", "1", "-t", "1", "--warmup", "18446744073709551615"]
+                .map(String::from)
+                .to_vec(),
+            "--warmup plus -r",
+        ),
+        (["generate", "--ids", "0", "-t", "100000"].map(String::from).to_vec(), "--threads 100000: at most 1024"),
+        (
+            ["bench", "--quant", "int8", "--snr", "--ctx-size", "16", "-p", "4", "-n", "2", "-t", "1"]
+                .map(String::from)
+                .to_vec(),
+            "--snr feeds a 64-token prompt",
+        ),
     ];
     for (args, want) in cases {
         let st = spark().args(&args).output().unwrap();

@@ -321,6 +321,9 @@ fn fidelity(reference: &[f32], test: &[f32], v: usize) -> (f64, usize) {
     (snr_db(reference, test), agree)
 }
 
+/// Tokens of the fixed `--snr` prompt.
+const SNR_TOKENS: usize = 64;
+
 fn argmax(v: &[f32]) -> usize {
     v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
 }
@@ -397,8 +400,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let load_peak = sampler.stop();
     let cfg = l.config.clone();
     let info = l.exec.info();
-    let need = a.depth + a.prompt.max(a.n_gen + 1);
-    anyhow::ensure!(need < info.ctx, "-d plus -p or -n must fit in --ctx-size {}", info.ctx);
+    let need = a.n_gen.checked_add(1).and_then(|g| a.depth.checked_add(a.prompt.max(g)));
+    anyhow::ensure!(need.is_some_and(|n| n < info.ctx), "-d plus -p or -n must fit in --ctx-size {}", info.ctx);
+    anyhow::ensure!(
+        a.warmup.checked_add(a.reps).is_some_and(|n| n <= 1_000_000),
+        "--warmup plus -r ({} + {}) must be at most 1000000",
+        a.warmup,
+        a.reps
+    );
+    anyhow::ensure!(
+        !a.snr || info.ctx >= SNR_TOKENS,
+        "--snr feeds a {SNR_TOKENS}-token prompt: it needs --ctx-size {SNR_TOKENS} or more (got {})",
+        info.ctx
+    );
     let mut rng = Xoshiro256::new(42);
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
@@ -501,7 +515,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut snr = None;
     if a.snr {
         let mut r = Xoshiro256::new(7);
-        let ids: Vec<u32> = (0..64).map(|_| 3 + (r.next_u64() % (cfg.vocab as u64 - 3)) as u32).collect();
+        let ids: Vec<u32> = (0..SNR_TOKENS).map(|_| 3 + (r.next_u64() % (cfg.vocab as u64 - 3)) as u32).collect();
         let test = all_logits(l.exec.as_mut(), &ids)?;
         let test_steps = step_logits(l.exec.as_mut(), &ids)?;
         drop(l.exec);
