@@ -442,3 +442,11 @@ def test_stalled_clients_are_cut_off():
         assert "timeout" in reply, reply
     finally:
         s.stop()
+
+
+def test_wrong_method_gets_a_json_error(server):
+    for method, path in [("GET", "/v1/chat/completions"), ("POST", "/v1/models"), ("DELETE", "/health")]:
+        r = requests.request(method, server.base + path, timeout=10)
+        assert r.status_code == 405, (method, path)
+        e = r.json()["error"]
+        assert e["code"] == "method_not_allowed" and method in e["message"] and path in e["message"], e

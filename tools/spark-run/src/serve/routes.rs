@@ -39,6 +39,7 @@ pub fn router(state: Arc<AppState>, body_limit: usize, body_timeout: std::time::
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_timeout))
         .with_state(state)
@@ -59,6 +60,15 @@ fn finish_response(state: &AppState, endpoint: &str, r: Result<Response, ApiErro
 async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("no such endpoint: {}", uri.path()))
         .with_code("not_found")
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{method} is not allowed on {} (see docs/SERVING.md for each endpoint's method)", uri.path()),
+    )
+    .with_code("method_not_allowed")
 }
 
 async fn health(State(state): St) -> Response {
