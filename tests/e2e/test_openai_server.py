@@ -311,6 +311,8 @@ def test_errors(server):
     assert r.status_code == 400 and "top_p" in r.json()["error"]["message"]
     r = post(server, "/v1/chat/completions", {"model": server.model, "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, "max_thinking_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_thinking_tokens"
     r = post(server, "/v1/chat/completions", {"model": server.model, "messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "word " * 3000})

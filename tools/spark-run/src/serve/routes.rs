@@ -416,6 +416,14 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         kwargs.entry("enable_thinking").or_insert(Value::Bool(b));
     }
     let max_thinking = f.uint("max_thinking_tokens", u32::MAX as u64)?.map(|x| x as usize);
+    if max_thinking == Some(0) {
+        // `</think>` is forced after a reasoning token; none at all is thinking turned off.
+        return Err(ApiError::invalid(
+            "max_thinking_tokens",
+            "`max_thinking_tokens` must be at least 1 (for no reasoning, set \
+             `chat_template_kwargs: {\"enable_thinking\": false}`)",
+        ));
+    }
     let want_lp = f.bool("logprobs")?.unwrap_or(false);
     let top = f.uint("top_logprobs", 20)?;
     if top.is_some() && !want_lp {
@@ -437,7 +445,7 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         _ => vec![],
     };
     let think_budget = match (thinking, max_thinking, state.tok.special_ids().end_think) {
-        (true, Some(n), Some(end)) => Some((n.max(1), end)),
+        (true, Some(n), Some(end)) => Some((n, end)),
         _ => None,
     };
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
