@@ -185,7 +185,8 @@ pub struct Scheduler {
     running: Vec<Seq>,
     next_handle: u64,
     reserved: usize,
-    cancels: Vec<u64>,
+    /// Requests to end at the next step, and why (cancelled, or a stop string the caller found).
+    cancels: Vec<(u64, FinishReason)>,
     metrics: Metrics,
 }
 
@@ -276,7 +277,13 @@ impl Scheduler {
 
     /// End a request (queued or running) at the next step; its KV is released then.
     pub fn cancel(&mut self, handle: u64) {
-        self.cancels.push(handle);
+        self.cancels.push((handle, FinishReason::Cancelled));
+    }
+
+    /// End a request at the next step as finished normally ([`FinishReason::Stop`]: a stop
+    /// string its caller matched in the text), not as cancelled.
+    pub fn stop(&mut self, handle: u64) {
+        self.cancels.push((handle, FinishReason::Stop));
     }
 
     /// Whether nothing is queued or running.
@@ -304,12 +311,18 @@ impl Scheduler {
     /// Drop cancelled requests, releasing their KV.
     fn reap(&mut self, exec: &mut dyn Executor) {
         let cancels = std::mem::take(&mut self.cancels);
-        let gone = |s: &Seq| cancels.contains(&s.handle) || s.sink.cancelled();
+        let gone = |s: &Seq| {
+            cancels
+                .iter()
+                .find(|&&(h, _)| h == s.handle)
+                .map(|&(_, r)| r)
+                .or(s.sink.cancelled().then_some(FinishReason::Cancelled))
+        };
         let mut i = 0;
         while i < self.queue.len() {
-            if gone(&self.queue[i]) {
+            if let Some(reason) = gone(&self.queue[i]) {
                 if let Some(s) = self.queue.remove(i) {
-                    self.finish(exec, s, FinishReason::Cancelled);
+                    self.finish(exec, s, reason);
                 }
             } else {
                 i += 1;
@@ -317,9 +330,9 @@ impl Scheduler {
         }
         let mut i = 0;
         while i < self.running.len() {
-            if gone(&self.running[i]) {
+            if let Some(reason) = gone(&self.running[i]) {
                 let s = self.running.remove(i);
-                self.finish(exec, s, FinishReason::Cancelled);
+                self.finish(exec, s, reason);
             } else {
                 i += 1;
             }
@@ -633,6 +646,24 @@ mod tests {
         assert_eq!(exec.kv_bytes(), 0);
         assert_eq!(sch.metrics().completion_tokens, 40);
         assert_eq!(sch.metrics().kv_reserved, 0);
+    }
+
+    #[test]
+    fn a_stop_found_by_the_caller_ends_as_stop_not_cancelled() {
+        let mut exec = Fake::default();
+        let mut sch = Scheduler::new(SchedulerConfig::default(), model(), &exec);
+        let a = Log::default();
+        let h = sch.submit(req(vec![1, 2, 3], 50), sink(&a)).unwrap();
+        for _ in 0..3 {
+            sch.step(&mut exec);
+        }
+        sch.stop(h);
+        sch.step(&mut exec);
+        assert_eq!(exec.kv_bytes(), 0);
+        assert!(sch.is_idle());
+        assert_eq!(finished(&a), Some(FinishReason::Stop));
+        assert_eq!(sch.metrics().requests_cancelled, 0);
+        assert_eq!(sch.metrics().requests_finished, 1);
     }
 
     #[test]

@@ -13,8 +13,14 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// A command to the engine thread.
 pub enum Cmd {
-    Submit { req: Request, sink: Box<dyn Sink>, reply: oneshot::Sender<Result<u64, SubmitError>> },
+    Submit {
+        req: Request,
+        sink: Box<dyn Sink>,
+        reply: oneshot::Sender<Result<u64, SubmitError>>,
+    },
     Cancel(u64),
+    /// End a request whose stop string the HTTP side found (counted as finished, not cancelled).
+    Stop(u64),
 }
 
 /// Forwards events to a handler; forces `</think>` after a reasoning budget.
@@ -92,6 +98,11 @@ impl EngineHandle {
         let _ = self.tx.send(Cmd::Cancel(handle));
     }
 
+    /// End a request because a stop string matched (its KV is freed at the engine's next step).
+    pub fn stop(&self, handle: u64) {
+        let _ = self.tx.send(Cmd::Stop(handle));
+    }
+
     pub fn metrics(&self) -> Metrics {
         self.metrics.lock().map(|m| m.clone()).unwrap_or_default()
     }
@@ -110,6 +121,7 @@ fn engine_loop(exec: &mut dyn Executor, sch: &mut Scheduler, rx: &mpsc::Receiver
             let _ = reply.send(sch.submit(req, sink));
         }
         Cmd::Cancel(h) => sch.cancel(h),
+        Cmd::Stop(h) => sch.stop(h),
     };
     loop {
         if sch.is_idle() {

@@ -600,7 +600,7 @@ fn on_event(job: &Job, pipe: &mut Pipeline<'_>, ev: Event, generated: &mut usize
             let deltas = if stop { vec![] } else { pipe.token(id) };
             if pipe.is_finished() {
                 // A stop string: end now and free the sequence, keeping what came before it.
-                job.state.engine.cancel(job.handle);
+                job.state.engine.stop(job.handle);
                 return Step::Done("stop", *generated, deltas, lp);
             }
             Step::Deltas(deltas, lp)
