@@ -184,16 +184,25 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     })
 }
 
-/// The checkpoint's tokenizer, or an error saying how to do without one.
-pub fn tokenizer(dir: &Path) -> Result<Tokenizer> {
-    if is_gguf(dir) {
-        return Ok(GgufFile::open(dir)?.tokenizer()?);
+/// The checkpoint's tokenizer, or an error saying how to do without one; refused when it has
+/// ids the model's `vocab` rows do not cover (its text would turn into ids the model rejects).
+pub fn tokenizer(dir: &Path, vocab: usize) -> Result<Tokenizer> {
+    let (tok, from) = if is_gguf(dir) {
+        (GgufFile::open(dir)?.tokenizer()?, format!("{}: the tokenizer metadata", dir.display()))
+    } else {
+        let p = dir.join("tokenizer.json");
+        if !p.exists() {
+            anyhow::bail!("{} has no tokenizer.json: give token ids with --ids and use --print-ids", dir.display());
+        }
+        (Tokenizer::from_file(&p)?, p.display().to_string())
+    };
+    if tok.vocab_size() > vocab {
+        anyhow::bail!(
+            "{from}: the tokenizer has ids up to {} but the model's vocabulary has {vocab} rows",
+            tok.vocab_size() - 1
+        );
     }
-    let p = dir.join("tokenizer.json");
-    if !p.exists() {
-        anyhow::bail!("{} has no tokenizer.json: give token ids with --ids and use --print-ids", dir.display());
-    }
-    Tokenizer::from_file(&p)
+    Ok(tok)
 }
 
 /// The checkpoint's chat template, or the built-in Spark-X2.5 one.

@@ -225,6 +225,18 @@ fn bad_input_gives_clear_errors() {
         ),
         (["generate", "--ids", "0", "-t", "100000"].map(String::from).to_vec(), "--threads 100000: at most 1024"),
         (
+            vec![
+                "generate".into(),
+                "--ids".into(),
+                vec!["5"; 100].join(","),
+                "--ctx-size".into(),
+                "64".into(),
+                "-t".into(),
+                "1".into(),
+            ],
+            "the prompt is 100 tokens: it must be shorter than the context (--ctx-size 64)",
+        ),
+        (
             ["bench", "--quant", "int8", "--snr", "--ctx-size", "16", "-p", "4", "-n", "2", "-t", "1"]
                 .map(String::from)
                 .to_vec(),

@@ -49,7 +49,7 @@ fn styles() -> (&'static str, &'static str) {
 pub fn run(a: ChatArgs) -> Result<()> {
     let mut loaded = load::load(&a.model)?;
     let dir = loaded.dir.clone();
-    let tok = load::tokenizer(&dir)?;
+    let tok = load::tokenizer(&dir, loaded.config.vocab)?;
     let tmpl = load::chat_template(&dir)?;
     let mut sampler = Sampler::new(a.sampling.params(&dir)?).map_err(|e| anyhow::anyhow!("{e}"))?;
     let end_think = tok.special_ids().end_think;

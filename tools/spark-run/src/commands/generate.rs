@@ -94,7 +94,11 @@ impl SamplingArgs {
 pub fn run(a: GenerateArgs) -> Result<()> {
     let mut loaded = load::load(&a.model)?;
     let dir = loaded.dir.clone();
-    let tok = if a.print_ids && a.prompt.is_none() && !a.chat { None } else { Some(load::tokenizer(&dir)?) };
+    let tok = if a.print_ids && a.prompt.is_none() && !a.chat {
+        None
+    } else {
+        Some(load::tokenizer(&dir, loaded.config.vocab)?)
+    };
     let prompt: Vec<u32> = match (&a.prompt, &a.ids) {
         (_, Some(ids)) => parse_ids(ids)?,
         (Some(text), None) => {
@@ -112,6 +116,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (None, None) => anyhow::bail!("give a prompt with --prompt TEXT or --ids 0,17,5"),
     };
     anyhow::ensure!(!prompt.is_empty(), "the prompt encodes to no tokens");
+    let ctx = loaded.exec.info().ctx;
+    anyhow::ensure!(
+        prompt.len() < ctx,
+        "the prompt is {} tokens: it must be shorter than the context (--ctx-size {ctx}) to leave room for a \
+         generated token",
+        prompt.len()
+    );
     let params = a.sampling.params(&dir)?;
     let mut sampler = Sampler::new(params).map_err(|e| anyhow::anyhow!("{e}"))?;
     let stop: Vec<u32> = if a.ignore_eos { vec![] } else { loaded.config.eos.clone() };

@@ -99,7 +99,7 @@ fn default_params(dir: &std::path::Path) -> SamplingParams {
 /// Run the server until Ctrl-C / SIGTERM.
 pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
     let dir = loaded.dir.clone();
-    let tok = crate::load::tokenizer(&dir)?;
+    let tok = crate::load::tokenizer(&dir, loaded.config.vocab)?;
     let template = crate::load::chat_template(&dir)?;
     let info = loaded.exec.info();
     let model_id = dir.file_name().map_or_else(|| "spark".to_string(), |n| n.to_string_lossy().into_owned());
