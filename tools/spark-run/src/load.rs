@@ -230,3 +230,64 @@ const MAX_THREADS: usize = 1024;
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
+
+/// The sampling defaults a checkpoint's `generation_config.json` sets (all `None` without the
+/// file; a GGUF file has none).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GenerationConfig {
+    pub do_sample: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+/// Read `dir/generation_config.json` when it exists: invalid JSON, a field of the wrong type or
+/// an invalid value is an error naming the file and the field (they used to be passed over,
+/// leaving other defaults in force unsaid).
+pub fn generation_config(dir: &Path) -> Result<GenerationConfig> {
+    let p = dir.join("generation_config.json");
+    if is_gguf(dir) || !p.exists() {
+        return Ok(GenerationConfig::default());
+    }
+    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", p.display()))?;
+    let obj = v.as_object().with_context(|| format!("{}: expected a JSON object", p.display()))?;
+    let field = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    let num = |k: &str| -> Result<Option<f32>> {
+        field(k)
+            .map(|v| {
+                v.as_f64()
+                    .map(|x| x as f32)
+                    .with_context(|| format!("{}: '{k}' must be a number, got {v}", p.display()))
+            })
+            .transpose()
+    };
+    let g = GenerationConfig {
+        do_sample: field("do_sample")
+            .map(|v| {
+                v.as_bool().with_context(|| format!("{}: 'do_sample' must be true or false, got {v}", p.display()))
+            })
+            .transpose()?,
+        temperature: num("temperature")?,
+        top_k: field("top_k")
+            .map(|v| {
+                v.as_u64()
+                    .map(|k| k as usize)
+                    .with_context(|| format!("{}: 'top_k' must be a whole number >= 0, got {v}", p.display()))
+            })
+            .transpose()?,
+        top_p: num("top_p")?,
+        repetition_penalty: num("repetition_penalty")?,
+    };
+    let check = spark_core::sample::SamplingParams {
+        temperature: g.temperature.unwrap_or(1.0),
+        top_k: g.top_k.unwrap_or(0),
+        top_p: g.top_p.unwrap_or(1.0),
+        repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        ..Default::default()
+    };
+    check.validate().map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    Ok(g)
+}

@@ -518,3 +518,31 @@ fn bench_json_has_the_documented_fields() {
     assert!(lines[1]["logit_snr_db_decode"].as_f64().unwrap() > 30.0, "{}", lines[1]);
     assert!(lines[1]["greedy_agree_decode"].as_f64().unwrap() > 0.8, "{}", lines[1]);
 }
+
+/// A bad generation_config.json is an error naming the file and the field (it was passed over,
+/// leaving the built-in defaults in force unsaid).
+#[test]
+fn bad_generation_config_is_named() {
+    let demo = repo().join("models/spark-demo-tiny");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        std::os::unix::fs::symlink(demo.join(f), dir.path().join(f)).unwrap();
+    }
+    for (text, want) in [
+        (r#"{"temperature": "hot"}"#, "'temperature' must be a number"),
+        (r#"{"top_k": -5}"#, "'top_k' must be a whole number"),
+        (r#"{"top_p": 2}"#, "top_p"),
+        ("{not json", "not valid JSON"),
+    ] {
+        std::fs::write(dir.path().join("generation_config.json"), text).unwrap();
+        let st = spark()
+            .args(["generate", "--model"])
+            .arg(dir.path())
+            .args(["-p", "hi", "-n", "1", "-t", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&st.stderr);
+        assert!(!st.status.success(), "{text} should fail");
+        assert!(err.contains("generation_config.json") && err.contains(want), "{text}: {err}");
+    }
+}

@@ -70,19 +70,14 @@ pub struct SamplingArgs {
 impl SamplingArgs {
     /// Parameters from the flags, defaulting to the checkpoint's generation_config.json.
     pub fn params(&self, dir: &Path) -> Result<SamplingParams> {
-        let gc: serde_json::Value = std::fs::read_to_string(dir.join("generation_config.json"))
-            .ok()
-            .and_then(|s| serde_json::from_str(&s).ok())
-            .unwrap_or(serde_json::Value::Null);
-        let num = |k: &str| gc.get(k).and_then(|v| v.as_f64());
-        let do_sample = gc.get("do_sample").and_then(|v| v.as_bool()).unwrap_or(true);
-        let default_temp = if do_sample { num("temperature").unwrap_or(0.8) as f32 } else { 0.0 };
+        let gc = load::generation_config(dir)?;
+        let default_temp = if gc.do_sample.unwrap_or(true) { gc.temperature.unwrap_or(0.8) } else { 0.0 };
         let p = SamplingParams {
             temperature: self.temperature.unwrap_or(default_temp),
-            top_k: self.top_k.unwrap_or(num("top_k").map_or(0, |v| v as usize)),
-            top_p: self.top_p.unwrap_or(num("top_p").map_or(1.0, |v| v as f32)),
+            top_k: self.top_k.unwrap_or(gc.top_k.unwrap_or(0)),
+            top_p: self.top_p.unwrap_or(gc.top_p.unwrap_or(1.0)),
             min_p: self.min_p.unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.unwrap_or(num("repetition_penalty").map_or(1.0, |v| v as f32)),
+            repetition_penalty: self.repetition_penalty.unwrap_or(gc.repetition_penalty.unwrap_or(1.0)),
             seed: self.seed,
             ..SamplingParams::default()
         };

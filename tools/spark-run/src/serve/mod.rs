@@ -77,23 +77,14 @@ pub struct HttpCounters {
 }
 
 /// Sampling defaults from the checkpoint's generation_config.json.
-fn default_params(dir: &std::path::Path) -> SamplingParams {
-    let gc: serde_json::Value = std::fs::read_to_string(dir.join("generation_config.json"))
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok())
-        .unwrap_or(serde_json::Value::Null);
-    let num = |k: &str| gc.get(k).and_then(|v| v.as_f64());
-    let p = SamplingParams {
-        temperature: num("temperature").map_or(1.0, |v| v as f32),
-        top_k: num("top_k").map_or(0, |v| v as usize),
-        top_p: num("top_p").map_or(1.0, |v| v as f32),
+fn default_params(dir: &std::path::Path) -> Result<SamplingParams> {
+    let gc = crate::load::generation_config(dir)?;
+    Ok(SamplingParams {
+        temperature: gc.temperature.unwrap_or(1.0),
+        top_k: gc.top_k.unwrap_or(0),
+        top_p: gc.top_p.unwrap_or(1.0),
         ..SamplingParams::default()
-    };
-    if p.validate().is_ok() {
-        p
-    } else {
-        SamplingParams::default()
-    }
+    })
 }
 
 /// Run the server until Ctrl-C / SIGTERM.
@@ -127,7 +118,7 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
         template,
         eos: loaded.config.eos.clone(),
         ctx: info.ctx,
-        defaults: default_params(&dir),
+        defaults: default_params(&dir)?,
         engine,
         scripted,
         http: Mutex::new(HttpCounters::default()),
