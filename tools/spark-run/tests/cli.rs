@@ -225,6 +225,10 @@ fn bad_input_gives_clear_errors() {
         ),
         (["generate", "--ids", "0", "-t", "100000"].map(String::from).to_vec(), "--threads 100000: at most 1024"),
         (
+            ["bench", "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--batch", "100000000"].map(String::from).to_vec(),
+            "--batch 100000000 needs about",
+        ),
+        (
             vec![
                 "generate".into(),
                 "--ids".into(),

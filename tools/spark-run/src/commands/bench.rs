@@ -102,6 +102,15 @@ fn stats(v: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
+/// `MemAvailable` of this machine in bytes (`None` where /proc is missing).
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|k| k * 1024)
+}
+
 /// `RssAnon` of this process in bytes (0 where /proc is missing).
 pub fn rss_anon() -> u64 {
     let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return 0 };
@@ -413,6 +422,30 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "--snr feeds a {SNR_TOKENS}-token prompt: it needs --ctx-size {SNR_TOKENS} or more (got {})",
         info.ctx
     );
+    // The decode test's sequences hold their KV together: refuse a batch the memory cannot hold
+    // (it was killed by the kernel's OOM killer, with no message).
+    if a.n_gen > 0 {
+        let kv_dtype =
+            if info.dtype == spark_core::DType::F32 { spark_core::DType::F32 } else { spark_core::DType::BF16 };
+        // KV grows in blocks of 256 positions on the CPU; a step's f32 buffers per row: the
+        // logits and the layer's activations (a few of hidden, intermediate and QKV width).
+        let len = (a.depth + a.n_gen + 1).div_ceil(256).saturating_mul(256).min(info.ctx);
+        let rows = 4 * (cfg.vocab + 3 * cfg.intermediate + 4 * cfg.hidden + cfg.qkv_dim());
+        let per = spark_core::kv::sequence_kv_bytes(&cfg, info.ctx, kv_dtype, len) + rows;
+        let want = (per as u128) * (a.batch as u128);
+        if let Some(avail) = mem_available() {
+            anyhow::ensure!(
+                want <= avail as u128,
+                "--batch {} needs about {:.1} GiB for its sequences' KV cache and step buffers ({:.2} MiB per \
+                 sequence at {} tokens); {:.1} GiB of memory is available",
+                a.batch,
+                want as f64 / (1u64 << 30) as f64,
+                per as f64 / (1u64 << 20) as f64,
+                len,
+                avail as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
     let mut rng = Xoshiro256::new(42);
     let mut tok = || 3 + (rng.next_u64() % (cfg.vocab as u64 - 3)) as u32;
     let model_name = l.dir.file_name().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
