@@ -31,6 +31,12 @@
 //! A call naming a tool that was not offered is never produced: it is reported and its text kept
 //! as content. With no tools offered nothing is recovered and no call is produced.
 //!
+//! A recovered or repaired call is produced only when it has every argument its schema lists as
+//! `required` (otherwise its text is kept as content, and the note says which are missing); a
+//! well-formed call lacking one is produced, with a note. An output cut off by the token limit
+//! ends with [`finish_truncated`](ToolCallParser::finish_truncated): a call the limit cut short
+//! is kept as content rather than closed, since what it was about to say is unknown.
+//!
 //! Whitespace: leading and trailing whitespace of the reasoning and of the content is dropped, as
 //! is whitespace-only text between tool calls.
 //!
@@ -48,6 +54,9 @@ const ARG_KEY: &str = "<arg_key>";
 const END_ARG_KEY: &str = "</arg_key>";
 const ARG_VALUE: &str = "<arg_value>";
 const END_ARG_VALUE: &str = "</arg_value>";
+
+/// The note for a call cut short by the token limit.
+const CUT_OFF: &str = "a tool call was cut off by the token limit (max_tokens); kept as content";
 
 /// Keys naming the tool in a JSON call object.
 const NAME_KEYS: [&str; 4] = ["name", "tool", "tool_name", "function"];
@@ -178,6 +187,10 @@ pub struct ToolCallParser {
     started: bool,
     n_calls: usize,
     notes: Vec<String>,
+    /// The output was cut off by the token limit (set by `finish_truncated`).
+    truncated: bool,
+    /// A call cut off by the token limit was found: the rest of the output is content.
+    cut_call: bool,
 }
 
 impl ToolCallParser {
@@ -192,6 +205,8 @@ impl ToolCallParser {
             started: false,
             n_calls: 0,
             notes: Vec::new(),
+            truncated: false,
+            cut_call: false,
         }
     }
 
@@ -221,6 +236,14 @@ impl ToolCallParser {
         out
     }
 
+    /// End of an output that the token limit cut off: as [`finish`](Self::finish), except that
+    /// a call running to the end (an unterminated `<tool_call>`, or JSON whose brackets would
+    /// have to be closed) is kept as content instead of being completed.
+    pub fn finish_truncated(&mut self) -> Vec<Delta> {
+        self.truncated = true;
+        self.finish()
+    }
+
     /// End of the output: flush what is held and parse what was buffered.
     pub fn finish(&mut self) -> Vec<Delta> {
         let mut out = Vec::new();
@@ -236,6 +259,11 @@ impl ToolCallParser {
             State::Content => {
                 let rest = std::mem::take(&mut self.buf);
                 self.emit_text(&rest, false, &mut out);
+            }
+            State::InCall if self.truncated => {
+                let body = std::mem::take(&mut self.buf);
+                self.note(CUT_OFF.to_string());
+                self.emit_text(&format!("{TOOL_CALL}{body}"), false, &mut out);
             }
             State::InCall => {
                 let mut body = std::mem::take(&mut self.buf);
@@ -521,7 +549,34 @@ impl ToolCallParser {
             args.insert(key, v);
             rest = next;
         }
-        Some(ToolCall { index: 0, name: name.to_string(), arguments: args, recovered })
+        self.check_required(&tool, ToolCall { index: 0, name: name.to_string(), arguments: args, recovered })
+    }
+
+    /// A call lacking an argument its schema requires: a recovered one is refused (`None`, its
+    /// text stays content), a well-formed one is kept; both are noted.
+    fn check_required(&mut self, tool: &ToolSpec, call: ToolCall) -> Option<ToolCall> {
+        let missing: Vec<String> = tool
+            .parameters
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .filter(|k| !call.arguments.contains_key(*k))
+            .map(|k| format!("`{k}`"))
+            .collect();
+        if missing.is_empty() {
+            return Some(call);
+        }
+        let name = &call.name;
+        let missing = missing.join(", ");
+        if call.recovered {
+            self.note(format!("the recovered call to `{name}` lacks required argument(s) {missing}; kept as content"));
+            None
+        } else {
+            self.note(format!("the call to `{name}` lacks required argument(s) {missing}"));
+            Some(call)
+        }
     }
 
     /// Type the values of a JSON arguments object by the schema (strings where the schema wants
@@ -539,7 +594,7 @@ impl ToolCallParser {
             };
             typed.insert(k, v);
         }
-        Some(ToolCall { index: 0, name: name.to_string(), arguments: typed, recovered })
+        self.check_required(&tool, ToolCall { index: 0, name: name.to_string(), arguments: typed, recovered })
     }
 
     /// A call from a JSON object: a call object (`name`/`tool` + `arguments`/`parameters`), or,
@@ -620,6 +675,7 @@ impl ToolCallParser {
                     pos += used;
                     content_from = pos;
                 }
+                _ if self.cut_call => break,
                 _ => {
                     pos += s.chars().next().map_or(1, char::len_utf8);
                 }
@@ -634,8 +690,8 @@ impl ToolCallParser {
         let n_notes = self.notes.len();
         let r = self.try_call_at_inner(s, word_start);
         if r.as_ref().is_none_or(|(c, _)| c.is_empty()) {
-            // Keep rejections (a tool not offered), drop notes of failed attempts otherwise.
-            let kept: Vec<String> = self.notes.drain(n_notes..).filter(|n| n.contains("not offered")).collect();
+            // Keep rejections (text kept as content), drop notes of failed attempts otherwise.
+            let kept: Vec<String> = self.notes.drain(n_notes..).filter(|n| n.ends_with("kept as content")).collect();
             self.notes.extend(kept);
         }
         r
@@ -647,6 +703,9 @@ impl ToolCallParser {
                 Some(e) => (&body[..e], TOOL_CALL.len() + e + END_TOOL_CALL.len(), true),
                 None => (body, s.len(), false),
             };
+            if !closed && self.truncated {
+                return self.cut_off();
+            }
             if !closed {
                 self.note("unterminated <tool_call>: parsed up to the end of the output".into());
             }
@@ -661,6 +720,9 @@ impl ToolCallParser {
                 let mut calls = Vec::new();
                 for item in list {
                     calls.push(self.call_from_object(item, None)?);
+                }
+                if self.truncated && !notes.is_empty() {
+                    return self.cut_off();
                 }
                 self.notes.extend(notes);
                 self.note("JSON list of tool calls recovered".into());
@@ -681,6 +743,9 @@ impl ToolCallParser {
                 (Value::Object(Map::new()), 0, vec![])
             };
             let call = self.call_from_object(&v, Some(name))?;
+            if self.truncated && !notes.is_empty() {
+                return self.cut_off();
+            }
             self.notes.extend(notes);
             self.note(format!("bracketed call `[{name}]` recovered"));
             return Some((vec![call], json_at + used));
@@ -688,6 +753,9 @@ impl ToolCallParser {
         if s.starts_with('{') {
             let (v, used, notes) = repair_json(s)?;
             let call = self.call_from_object(&v, None)?;
+            if self.truncated && !notes.is_empty() {
+                return self.cut_off();
+            }
             self.notes.extend(notes);
             self.note(format!("bare JSON call to `{}` recovered", call.name));
             return Some((vec![call], used));
@@ -709,9 +777,19 @@ impl ToolCallParser {
         let (v, used, notes) = repair_json(&after[lead..])?;
         let Value::Object(args) = v else { return None };
         let call = self.typed_call(name, args, true)?;
+        if self.truncated && !notes.is_empty() {
+            return self.cut_off();
+        }
         self.notes.extend(notes);
         self.note(format!("GLM-style call `{name}` with JSON arguments recovered"));
         Some((vec![call], n + lead + used))
+    }
+
+    /// A call the token limit cut short: noted, and the rest of the output is content.
+    fn cut_off(&mut self) -> Option<(Vec<ToolCall>, usize)> {
+        self.note(CUT_OFF.to_string());
+        self.cut_call = true;
+        None
     }
 
     /// A raw argument value typed by the tool's schema for `key`.
@@ -1155,6 +1233,81 @@ mod tests {
         assert_eq!(Value::Object(p.tool_calls[0].arguments.clone()), json!({"index": 5}));
         assert!(p.tool_calls[0].recovered);
         assert!(p.recoveries.len() >= 2);
+    }
+
+    /// Parse `text` as an output the token limit cut off, at every split point.
+    fn parse_truncated(text: &str, t: &[ToolSpec]) -> Parsed {
+        let mut first: Option<Parsed> = None;
+        for i in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            let mut p = ToolCallParser::new(t.to_vec(), false);
+            let mut d = p.push(&text[..i]);
+            d.extend(p.push(&text[i..]));
+            d.extend(p.finish_truncated());
+            let mut got = Parsed::from_deltas(d, false);
+            got.recoveries = p.recoveries().to_vec();
+            match &first {
+                Some(f) => assert_eq!(&got, f, "split at byte {i} of {text:?}"),
+                None => first = Some(got),
+            }
+        }
+        first.unwrap()
+    }
+
+    #[test]
+    fn a_call_cut_off_by_the_token_limit_is_content() {
+        let t = tools();
+        for text in [
+            "Tapping. <tool_call>tap<arg_key>index</arg_key><arg_value>5",
+            "Tapping. <tool_call>tap<arg_key>index</arg_key><arg_value>5</arg_value>",
+            "Tapping. {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",
+            "Tapping. [tap] {\"index\": 1",
+            "get_weather {\"city\": \"Rome\", \"days\": 2",
+        ] {
+            let p = parse_truncated(text, &t);
+            assert!(p.tool_calls.is_empty(), "{text}: {:?}", p.tool_calls);
+            assert_eq!(p.content, text, "{text}");
+            assert_eq!(p.recoveries, vec![CUT_OFF.to_string()], "{text}");
+            // Ended by the model instead, the same text is recovered as a call.
+            assert_eq!(parse(text, &t, false).tool_calls.len(), 1, "{text}");
+        }
+        // Complete calls before the cut are kept; only the cut one becomes content.
+        let p = parse_truncated(
+            "<tool_call>tap<arg_key>index</arg_key><arg_value>1</arg_value></tool_call><tool_call>tap<arg_key>ind",
+            &t,
+        );
+        assert_eq!(p.tool_calls.len(), 1);
+        assert_eq!(p.content, "<tool_call>tap<arg_key>ind");
+        // A balanced bare call at the very end is complete, whatever the limit.
+        let p = parse_truncated("{\"name\": \"tap\", \"arguments\": {\"index\": 3}}", &t);
+        assert_eq!(p.tool_calls.len(), 1);
+    }
+
+    #[test]
+    fn required_arguments() {
+        let t = ToolSpec::from_openai(&json!([{"type": "function", "function": {"name": "send", "parameters": {
+            "type": "object", "properties": {"to": {"type": "string"}, "body": {"type": "string"}},
+            "required": ["to", "body"]}}}]));
+        // Well-formed but lacking one: produced, with a note.
+        let p = parse("<tool_call>send<arg_key>to</arg_key><arg_value>bob</arg_value></tool_call>", &t, false);
+        assert_eq!(p.tool_calls.len(), 1);
+        assert!(p.recoveries.iter().any(|n| n.contains("lacks required argument(s) `body`")), "{:?}", p.recoveries);
+        // Recovered (unterminated, or a repaired JSON form) and lacking one: content.
+        for text in [
+            "<tool_call>send<arg_key>to</arg_key><arg_value>bob",
+            "{\"name\": \"send\", \"arguments\": {\"to\": \"bob\"",
+            "send {\"body\": \"hi\"}",
+        ] {
+            let p = parse(text, &t, false);
+            assert!(p.tool_calls.is_empty(), "{text}: {:?}", p.tool_calls);
+            assert_eq!(p.content, text);
+            assert!(
+                p.recoveries.iter().any(|n| n.contains("lacks required") && n.ends_with("kept as content")),
+                "{text}: {:?}",
+                p.recoveries
+            );
+        }
+        let p = parse("send {\"to\": \"bob\", \"body\": \"hi\"}", &t, false);
+        assert_eq!(p.tool_calls.len(), 1);
     }
 
     #[test]
