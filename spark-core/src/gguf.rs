@@ -714,8 +714,9 @@ impl GgufFile {
             None => Ok(None),
             Some(v) => v
                 .as_f64()
+                .filter(|x| x.is_finite())
                 .map(Some)
-                .ok_or_else(|| self.err(format!("metadata '{key}' must be a number, got {}", v.describe()))),
+                .ok_or_else(|| self.err(format!("metadata '{key}' must be a finite number, got {}", v.describe()))),
         }
     }
 
@@ -804,6 +805,9 @@ impl GgufFile {
             ("full_attention", "rope.freq_base", "rope.dimension_count"),
         ] {
             let theta = self.opt_f64(&k(base))?.unwrap_or(10000.0);
+            if theta <= 0.0 {
+                return Err(self.err(format!("metadata '{}' = {theta}: the RoPE base must be > 0", k(base))));
+            }
             let rot = self.opt_u64(&k(dims))?.unwrap_or(head_dim);
             if rot == 0 || rot > head_dim || rot % 2 != 0 {
                 return Err(self.err(format!(
@@ -820,6 +824,10 @@ impl GgufFile {
         }
         obj.insert("rope_parameters".into(), Json::Object(rope));
         if let Some(eps) = self.opt_f64(&k("attention.layer_norm_rms_epsilon"))? {
+            if !(eps > 0.0 && eps < 1.0) {
+                return Err(self
+                    .err(format!("metadata '{}' = {eps}: must be in (0, 1)", k("attention.layer_norm_rms_epsilon"))));
+            }
             obj.insert("rms_norm_eps".into(), json!(eps));
         }
         obj.insert("tie_word_embeddings".into(), json!(self.tensor("output.weight").is_none()));

@@ -518,3 +518,51 @@ fn damaged_headers_are_errors_not_panics() {
     }
     eprintln!("damaged headers: {refused} refused, {loaded} loaded and ran");
 }
+
+/// Metadata values of the wrong type or out of range are errors naming the key, never silently
+/// replaced by a default (a NaN `freq_base` once became the default theta).
+#[test]
+fn bad_metadata_values_are_named() {
+    use spark_core::gguf::ValueType;
+    let cfg = ModelConfig::from_file(&m8_dir().join("config.json")).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("meta.gguf");
+    let n = cfg.n_layers;
+    let cases: Vec<(&str, Value)> = vec![
+        ("rope.freq_base", Value::F32(f32::NAN)),
+        ("rope.freq_base_swa", Value::F32(f32::INFINITY)),
+        ("rope.freq_base", Value::F32(-5.0)),
+        ("rope.freq_base", Value::Str("1e6".into())),
+        ("attention.layer_norm_rms_epsilon", Value::F32(f32::NAN)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(0.0)),
+        ("attention.sliding_window_pattern", Value::U32(4)),
+        ("attention.sliding_window_pattern", Value::Array(ValueType::Str, vec![Value::Str("yes".into()); n])),
+        ("attention.sliding_window_pattern", Value::Array(ValueType::Bool, vec![Value::Bool(true); n + 1])),
+        ("attention.sliding_window", Value::F32(128.0)),
+        ("block_count", Value::I32(-1)),
+    ];
+    for (key, v) in cases {
+        let mut meta = gguf_metadata(&cfg, "spark2_5");
+        let full = format!("spark2_5.{key}");
+        let slot = meta.iter_mut().find(|(k, _)| *k == full).unwrap_or_else(|| panic!("{full} not written"));
+        slot.1 = v.clone();
+        let ck = Checkpoint::open(&m8_dir()).unwrap();
+        let plan: Vec<WriteTensor> = ck
+            .tensors
+            .iter()
+            .map(|(name, t)| WriteTensor {
+                name: gguf_tensor_name(name),
+                kind: GgmlType::F32,
+                shape: t.shape.clone(),
+                data: t.bytes(),
+            })
+            .collect();
+        gguf::write(&p, &meta, &plan).unwrap();
+        let e = match GgufFile::open(&p).and_then(|g| g.config()) {
+            Ok(c) => panic!("{full} = {v:?} accepted: {c:?}"),
+            Err(e) => e.message,
+        };
+        let named = e.contains(key) || (key.contains("sliding_window_pattern") && e.contains("layer_types"));
+        assert!(e.contains("meta.gguf") && named, "{full} = {v:?}: {e}");
+    }
+}
