@@ -138,6 +138,18 @@ pub struct Loaded {
     pub load_time: std::time::Duration,
 }
 
+/// `--ctx-size` in 1..=[`MAX_CONTEXT`](spark_core::graph::MAX_CONTEXT).
+pub fn check_ctx(ctx: usize) -> Result<()> {
+    if ctx == 0 {
+        anyhow::bail!("--ctx-size: context size 0 is invalid (it must be at least 1)");
+    }
+    let max = spark_core::graph::MAX_CONTEXT;
+    if ctx > max {
+        anyhow::bail!("--ctx-size {ctx}: spark serves at most {max} positions");
+    }
+    Ok(())
+}
+
 /// Load the model named by `args` on the backend chosen by `--backend`.
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let dir = model_dir(args)?;
@@ -148,9 +160,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     if let Some(t) = args.threads.filter(|&t| t > MAX_THREADS) {
         anyhow::bail!("--threads {t}: at most {MAX_THREADS} (this machine has {})", cores());
     }
-    if args.ctx_size == 0 {
-        anyhow::bail!("--ctx-size: context size 0 is invalid (it must be at least 1)");
-    }
+    check_ctx(args.ctx_size)?;
     let opts = OpenOptions {
         threads: args.threads,
         ctx: Some(args.ctx_size),

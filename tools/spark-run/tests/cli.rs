@@ -246,6 +246,23 @@ fn bad_input_gives_clear_errors() {
                 .to_vec(),
             "--snr feeds a 64-token prompt",
         ),
+        (["info", "--ctx-size", "0"].map(String::from).to_vec(), "context size 0"),
+        (["info", "--ctx-size", "18446744073709551615"].map(String::from).to_vec(), "spark serves at most"),
+        (["serve", "--max-queue", "0", "--port", "0"].map(String::from).to_vec(), "--max-queue must be at least 1"),
+        (
+            ["serve", "--kv-budget", "1KiB", "--port", "0", "-t", "1"].map(String::from).to_vec(),
+            "--kv-budget 1024 bytes cannot hold one sequence of 256 tokens",
+        ),
+        (
+            vec![
+                "gen-random".into(),
+                "--shape".into(),
+                "tiny".into(),
+                "--out".into(),
+                repo().join("testdata/golden/m8/ckpt_f32").display().to_string(),
+            ],
+            "already holds a checkpoint",
+        ),
     ];
     for (args, want) in cases {
         let st = spark().args(&args).output().unwrap();

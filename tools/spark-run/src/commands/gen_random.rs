@@ -96,6 +96,9 @@ pub fn run(a: GenRandomArgs) -> Result<()> {
     anyhow::ensure!(dtype != DType::F16, "--dtype: gen-random writes bf16 or f32");
     let cfg_json = config(a.shape, dtype);
     let cfg = ModelConfig::from_json(cfg_json.as_object().context("config")?)?;
+    if a.out.join("model.safetensors").exists() || a.out.join("config.json").exists() {
+        anyhow::bail!("--out {}: already holds a checkpoint; choose an empty directory", a.out.display());
+    }
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
     std::fs::write(a.out.join("config.json"), serde_json::to_string_pretty(&cfg_json)?)?;
 

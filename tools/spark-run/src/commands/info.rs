@@ -27,6 +27,7 @@ fn mib(b: f64) -> String {
 }
 
 pub fn run(a: InfoArgs) -> Result<()> {
+    load::check_ctx(a.model.ctx_size)?;
     let dir = load::model_dir(&a.model)?;
     // A GGUF file holds the config; its tensors are summarised by ggml type below.
     let gguf = if is_gguf(&dir) { Some(GgufFile::open(&dir)?) } else { None };

@@ -74,6 +74,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.max_seqs == 0 {
         bail!("--max-seqs must be at least 1");
     }
+    if a.max_queue == 0 {
+        bail!("--max-queue must be at least 1 (every request waits in the queue for a slot)");
+    }
     if a.step_tokens == 0 {
         bail!("--step-tokens must be at least 1");
     }

@@ -61,6 +61,8 @@ pub struct AppState {
     pub template: ChatTemplate,
     pub eos: Vec<u32>,
     pub ctx: usize,
+    /// Most tokens (prompt + completion) one sequence can hold within the KV budget (<= ctx).
+    pub seq_tokens: usize,
     pub defaults: SamplingParams,
     pub engine: engine::EngineHandle,
     pub scripted: Option<Scripted>,
@@ -87,6 +89,34 @@ fn default_params(dir: &std::path::Path) -> Result<SamplingParams> {
     })
 }
 
+/// The most tokens one sequence can hold within the KV budget. A budget that cannot hold a
+/// sequence of `min(ctx, 256)` tokens is refused (every request would be).
+fn sequence_limit(sch: &Scheduler, budget: usize) -> Result<usize> {
+    let ctx = sch.ctx();
+    let floor = ctx.min(256);
+    if sch.kv_bytes_for(floor) > budget {
+        anyhow::bail!(
+            "--kv-budget {budget} bytes cannot hold one sequence of {floor} tokens ({} bytes); raise it",
+            sch.kv_bytes_for(floor)
+        );
+    }
+    let (mut lo, mut hi) = (floor, ctx);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if sch.kv_bytes_for(mid) <= budget {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    if lo < ctx {
+        eprintln!(
+            "note: --kv-budget holds {lo} tokens per sequence (the context is {ctx}); requests without max_tokens stop there"
+        );
+    }
+    Ok(lo)
+}
+
 /// Run the server until Ctrl-C / SIGTERM.
 pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
     let dir = loaded.dir.clone();
@@ -111,6 +141,7 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
         None => None,
     };
     let sch = Scheduler::new(cfg.scheduler.clone(), loaded.config.clone(), loaded.exec.as_ref());
+    let seq_tokens = sequence_limit(&sch, cfg.scheduler.kv_budget)?;
     let engine = engine::EngineHandle::start(loaded.exec, sch).context("starting the engine thread")?;
     let state = Arc::new(AppState {
         model_id,
@@ -118,6 +149,7 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
         template,
         eos: loaded.config.eos.clone(),
         ctx: info.ctx,
+        seq_tokens,
         defaults: default_params(&dir)?,
         engine,
         scripted,
