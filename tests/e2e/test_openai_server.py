@@ -276,17 +276,25 @@ def test_admission_control_queue_full_and_kv_budget():
             assert r.status_code == 429, r.text
             assert r.json()["error"]["code"] == "queue_full"
             assert int(r.headers["Retry-After"]) >= 1
-            # A request that could never fit the KV budget: 503 and a Retry-After.
+            # A request that could never fit the KV budget: 400 (retrying cannot help), no
+            # Retry-After.
             r = post(s, "/v1/completions", {**body, "max_tokens": 2000})
-            assert r.status_code == 503, r.text
+            assert r.status_code == 400, r.text
             assert r.json()["error"]["code"] == "kv_budget_exceeded"
-            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["param"] == "max_tokens"
+            assert "Retry-After" not in r.headers
             # The admitted ones still complete, and nothing is left behind.
             rest = [line for line in first_lines if line.startswith(b"data: ")]
             assert rest[-1] == b"data: [DONE]"
             assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
             done = second.result()
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 300
+        # Without max_tokens a request gets what the budget holds, not a refusal.
+        r = post(s, "/v1/completions", {"model": s.model, "prompt": "The file", "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        held = r.json()["usage"]["total_tokens"]
+        assert 300 < held < 2000, held
         m = s.metrics()
         assert m["spark_kv_bytes_in_use"] == 0 and m["spark_queue_depth"] == 0, m
         assert m["spark_requests_rejected_total"] >= 2, m
@@ -315,6 +323,33 @@ def test_errors(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_thinking_tokens"
     r = post(server, "/v1/chat/completions", {"model": server.model, "messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400
+    # Tools are checked before anything runs; the error names the field.
+    fn = {"name": "tap", "parameters": {"type": "object", "properties": {"index": {"type": "integer"}}}}
+    for tool, param in [
+        ({"type": "function", "function": {**fn, "name": "tap it"}}, "tools[0].function.name"),
+        ({"type": "function", "function": {**fn, "name": "x" * 65}}, "tools[0].function.name"),
+        ({"type": "function", "function": {**fn, "parameters": "none"}}, "tools[0].function.parameters"),
+        ({"type": "function", "function": {**fn, "parameters": {"type": "array"}}}, "tools[0].function.parameters.type"),
+        ({"type": "function", "function": {**fn, "parameters": {"type": "object", "properties": []}}},
+         "tools[0].function.parameters.properties"),
+        ({"type": "function", "function": {**fn, "parameters": {"type": "object", "required": "index"}}},
+         "tools[0].function.parameters.required"),
+        ({"type": "function", "function": {**fn, "description": 3}}, "tools[0].function.description"),
+        ({"type": "retrieval", "function": fn}, "tools[0].type"),
+        ({"type": "function"}, "tools[0].function"),
+    ]:
+        r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, "tools": [tool]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (tool, r.text)
+    tool = {"type": "function", "function": fn}
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, "tools": [tool, tool]})
+    assert r.status_code == 400 and "unique" in r.json()["error"]["message"], r.text
+    # `developer` is OpenAI's newer name for `system`.
+    r = post(server, "/v1/chat/completions", {"model": server.model, "max_tokens": 2, "messages": [
+        {"role": "developer", "content": "Be brief."}, *msgs]})
+    assert r.status_code == 200, r.text
+    r2 = post(server, "/v1/chat/completions", {"model": server.model, "max_tokens": 2, "messages": [
+        {"role": "system", "content": "Be brief."}, *msgs]})
+    assert r.json()["usage"]["prompt_tokens"] == r2.json()["usage"]["prompt_tokens"]
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "word " * 3000})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = post(server, "/v1/completions", {"model": server.model, "prompt": [1, 2, 99999999]})
@@ -405,6 +440,38 @@ def test_stop_string_keeps_what_came_before_it(tmp_path):
         assert r.choices[0].message.content.startswith("It is sunny in Hefei today.")
         assert "STOP" not in r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"
+    finally:
+        s.stop()
+
+
+def test_a_call_cut_off_by_max_tokens_is_not_a_call(tmp_path):
+    # The token limit ends the output inside a tool call: no call with made-up or missing
+    # arguments is returned; its text is the content, finish_reason "length", and the
+    # recovery notes say why. Streamed the same.
+    call = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+    f = tmp_path / "script.txt"
+    f.write_text("\n---\n".join(["Sure.</think>" + call] * 3))
+    s = Server("--scripted-reply", str(f))
+    try:
+        args = dict(model=s.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+        full = s.client.chat.completions.create(**args)
+        assert full.choices[0].finish_reason == "tool_calls"
+        n = full.usage.completion_tokens
+        r = post(s, "/v1/chat/completions", dict(args, max_tokens=n - 4))
+        body = r.json()
+        ch = body["choices"][0]
+        assert ch["finish_reason"] == "length"
+        assert not ch["message"].get("tool_calls")
+        assert ch["message"]["content"].startswith("<tool_call>get_weather<arg_key>city</arg_key>")
+        assert any("cut off by the token limit" in n for n in body["spark"]["tool_call_recoveries"])
+        calls, content, finish = [], "", None
+        for chunk in s.client.chat.completions.create(stream=True, max_tokens=n - 4, **args):
+            for c in chunk.choices:
+                calls += c.delta.tool_calls or []
+                content += c.delta.content or ""
+                finish = c.finish_reason or finish
+        assert calls == [] and finish == "length"
+        assert content == ch["message"]["content"]
     finally:
         s.stop()
 

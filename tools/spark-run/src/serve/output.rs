@@ -67,6 +67,7 @@ pub struct Pipeline<'t> {
     /// Whether a stop string ended the output.
     pub stopped: bool,
     finished: bool,
+    truncated: bool,
 }
 
 impl<'t> Pipeline<'t> {
@@ -78,6 +79,7 @@ impl<'t> Pipeline<'t> {
             parser: chat.map(|(tools, thinking)| ToolCallParser::new(tools, thinking)),
             stopped: false,
             finished: false,
+            truncated: false,
         }
     }
 
@@ -95,11 +97,13 @@ impl<'t> Pipeline<'t> {
         self.text(&text, false)
     }
 
-    /// The end of generation.
-    pub fn finish(&mut self) -> Vec<Delta> {
+    /// The end of generation. `truncated`: the token limit ended it (a tool call it cut short
+    /// is kept as content, see [`ToolCallParser::finish_truncated`]).
+    pub fn finish(&mut self, truncated: bool) -> Vec<Delta> {
         if self.finished {
             return vec![];
         }
+        self.truncated = truncated;
         let text = self.dec.flush().ok().flatten().unwrap_or_default();
         self.text(&text, true)
     }
@@ -118,7 +122,7 @@ impl<'t> Pipeline<'t> {
             self.stopped |= hit;
             self.finished = true;
             if let Some(p) = &mut self.parser {
-                deltas.extend(p.finish());
+                deltas.extend(if self.truncated && !hit { p.finish_truncated() } else { p.finish() });
             }
         }
         deltas

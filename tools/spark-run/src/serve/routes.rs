@@ -253,6 +253,10 @@ fn template_messages(v: Option<&Value>) -> Result<Value, ApiError> {
         };
         let mut m = m.clone();
         match m.get("role") {
+            // OpenAI's newer name for the system role; the Spark template has no developer turn.
+            Some(Value::String(r)) if r == "developer" => {
+                m.insert("role".into(), Value::String("system".into()));
+            }
             Some(Value::String(_)) => {}
             other => {
                 return Err(ApiError::invalid(
@@ -312,16 +316,13 @@ fn read_tools(f: &Fields<'_>) -> Result<(Vec<ToolSpec>, Option<Value>), ApiError
     let Value::Array(list) = v else {
         return Err(ApiError::invalid("tools", format!("`tools` must be a list, got {}", show(v))));
     };
+    let mut names = std::collections::HashSet::new();
     for (i, t) in list.iter().enumerate() {
-        let name = t.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
-        let ty = t.get("type").and_then(Value::as_str).unwrap_or("function");
-        if name.is_none_or(str::is_empty) || ty != "function" {
+        let name = check_tool(i, t)?;
+        if !names.insert(name) {
             return Err(ApiError::invalid(
-                &format!("tools[{i}]"),
-                format!(
-                    "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {}",
-                    show(t)
-                ),
+                &format!("tools[{i}].function.name"),
+                format!("tools[{i}].function.name `{name}` names an earlier tool too; tool names must be unique"),
             ));
         }
     }
@@ -344,6 +345,80 @@ fn read_tools(f: &Fields<'_>) -> Result<(Vec<ToolSpec>, Option<Value>), ApiError
     Ok((ToolSpec::from_openai(v), Some(v.clone())))
 }
 
+/// Check one `tools` entry: `{"type": "function", "function": {"name", "description"?,
+/// "parameters"?, "strict"?}}` with a name the Spark call format can carry and parameters that
+/// are an object schema. Returns the name.
+fn check_tool(i: usize, t: &Value) -> Result<&str, ApiError> {
+    let bad = |field: &str, what: String| {
+        Err(ApiError::invalid(&format!("tools[{i}]{field}"), format!("tools[{i}]{field} {what}")))
+    };
+    let Value::Object(t) = t else {
+        return bad("", format!("must be {{\"type\": \"function\", \"function\": {{...}}}}, got {}", show(t)));
+    };
+    match t.get("type") {
+        None => {}
+        Some(Value::String(s)) if s == "function" => {}
+        Some(v) => return bad(".type", format!("must be \"function\", got {}", show(v))),
+    }
+    let Some(Value::Object(f)) = t.get("function") else {
+        let got = t.get("function").map_or("nothing".into(), show);
+        return bad(".function", format!("must be an object with a `name`, got {got}"));
+    };
+    let name = match f.get("name") {
+        Some(Value::String(n)) => n.as_str(),
+        v => return bad(".function.name", format!("must be a string, got {}", v.map_or("nothing".into(), show))),
+    };
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.');
+    if name.is_empty() || name.len() > 64 || !name.chars().all(ok_char) {
+        return bad(
+            ".function.name",
+            format!(
+                "must be 1 to 64 letters, digits, `_`, `-` or `.` (the model writes it inside its call markup), got {}",
+                show(&Value::String(name.to_string()))
+            ),
+        );
+    }
+    if let Some(d) = f.get("description").filter(|d| !d.is_null() && !d.is_string()) {
+        return bad(".function.description", format!("must be a string, got {}", show(d)));
+    }
+    if let Some(v) = f.get("strict").filter(|v| !v.is_null() && !v.is_boolean()) {
+        return bad(".function.strict", format!("must be a boolean, got {}", show(v)));
+    }
+    let params = match f.get("parameters") {
+        None | Some(Value::Null) => return Ok(name),
+        Some(Value::Object(p)) => p,
+        Some(v) => return bad(".function.parameters", format!("must be a JSON schema object, got {}", show(v))),
+    };
+    match params.get("type") {
+        None => {}
+        Some(Value::String(s)) if s == "object" => {}
+        Some(v) => {
+            return bad(
+                ".function.parameters.type",
+                format!("must be \"object\" (arguments are named), got {}", show(v)),
+            )
+        }
+    }
+    if let Some(props) = params.get("properties") {
+        let Value::Object(props) = props else {
+            return bad(".function.parameters.properties", format!("must be an object, got {}", show(props)));
+        };
+        if let Some((k, v)) = props.iter().find(|(_, v)| !v.is_object() && !v.is_boolean()) {
+            return bad(
+                &format!(".function.parameters.properties.{k}"),
+                format!("must be a JSON schema (an object), got {}", show(v)),
+            );
+        }
+    }
+    if let Some(req) = params.get("required") {
+        let ok = req.as_array().is_some_and(|a| a.iter().all(Value::is_string));
+        if !ok {
+            return bad(".function.parameters.required", format!("must be a list of names, got {}", show(req)));
+        }
+    }
+    Ok(name)
+}
+
 fn submit_error(e: EngineError) -> ApiError {
     match e {
         EngineError::Down => {
@@ -355,10 +430,9 @@ fn submit_error(e: EngineError) -> ApiError {
                     .with_code("queue_full")
                     .retry(1)
             }
+            // The whole budget cannot hold it: retrying cannot help.
             SubmitError::TooLarge { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", format!("{e}; lower max_tokens"))
-                    .with_code("kv_budget_exceeded")
-                    .retry(1)
+                ApiError::invalid("max_tokens", format!("{e}; lower max_tokens")).with_code("kv_budget_exceeded")
             }
             SubmitError::PromptTooLong { .. } => {
                 ApiError::invalid("messages", e.to_string()).with_code("context_length_exceeded")
@@ -532,9 +606,21 @@ async fn start(
         )
         .with_code("context_length_exceeded"));
     }
+    if prompt.len() >= state.seq_tokens {
+        return Err(ApiError::invalid(
+            if matches!(kind, Kind::Chat { .. }) { "messages" } else { "prompt" },
+            format!(
+                "the prompt has {} tokens but the server's KV budget (--kv-budget) holds {} tokens per sequence",
+                prompt.len(),
+                state.seq_tokens
+            ),
+        )
+        .with_code("kv_budget_exceeded"));
+    }
     let prompt_tokens = prompt.len();
     let req = Request {
-        max_tokens: c.max_tokens.unwrap_or(state.ctx),
+        // Unset: as many as the context and the KV budget allow.
+        max_tokens: c.max_tokens.unwrap_or(state.seq_tokens - prompt.len()),
         prompt,
         params: c.params,
         stop_ids: if c.ignore_eos { vec![] } else { state.eos.clone() },
@@ -610,7 +696,7 @@ fn on_event(job: &Job, pipe: &mut Pipeline<'_>, ev: Event, generated: &mut usize
                 FinishReason::Length => "length",
                 _ => "stop",
             };
-            Step::Done(r, completion_tokens, pipe.finish(), None)
+            Step::Done(r, completion_tokens, pipe.finish(r == "length"), None)
         }
         Event::Error(m) => Step::Failed(m),
     }
