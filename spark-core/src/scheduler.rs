@@ -59,6 +59,9 @@ pub struct Request {
     /// (the model still runs on them), and the request ends with them. Lets a server test drive
     /// a known output through the real decode and parse path. Empty in normal use.
     pub script: Vec<u32>,
+    /// The first generated tokens, emitted as given instead of sampled (e.g. the start of a tool
+    /// call the caller requires); sampling takes over after them. Empty in most requests.
+    pub prefix: Vec<u32>,
 }
 
 impl Request {
@@ -71,6 +74,7 @@ impl Request {
             stop_ids: vec![],
             logprobs: None,
             script: vec![],
+            prefix: vec![],
         }
     }
 }
@@ -476,7 +480,8 @@ impl Scheduler {
 impl Seq {
     /// Sample the next token from `logits`, report it, and say whether the request ends.
     fn sample_and_report(&mut self, logits: &mut [f32], ctx: usize) -> Option<FinishReason> {
-        let scripted = self.req.script.get(self.generated.len()).copied();
+        let n = self.generated.len();
+        let scripted = self.req.script.get(n).or_else(|| self.req.prefix.get(n)).copied();
         let (lp_info, tok) = match self.forced.take().or(scripted) {
             Some(t) => {
                 let lp = self.req.logprobs.map(|n| {
@@ -774,6 +779,16 @@ mod tests {
         sch.run_to_completion(&mut exec);
         assert_eq!(tokens(&l4), vec![5, 6, 7]);
         assert_eq!(finished(&l4), Some(FinishReason::Stop));
+        // A prefix is forced, then sampling takes over (the fake model's greedy answer).
+        let l5 = Log::default();
+        let mut r = req(prompt.clone(), 4);
+        r.prefix = vec![9, 8];
+        sch.submit(r, sink(&l5)).unwrap();
+        sch.run_to_completion(&mut exec);
+        let got = tokens(&l5);
+        assert_eq!(&got[..2], &[9, 8]);
+        assert_eq!(&got[2..], greedy_reference(&[1, 2, 3, 9, 8], 2));
+        assert_eq!(finished(&l5), Some(FinishReason::Length));
         // The executor failing fails the request and frees its KV.
         exec.fail_on = Some(7);
         let l3 = Log::default();

@@ -416,6 +416,53 @@ def test_tool_choice_none_gives_no_calls(scripted):
     assert not r.choices[0].message.tool_calls
 
 
+def test_tool_choice_required_and_named_force_the_call(server):
+    # The demo model never calls tools by itself; `tool_choice` makes the reply start a call:
+    # `<tool_call>` (required) or `<tool_call>NAME` (named) is forced where the content begins,
+    # right after `</think>` with thinking on, first with it off. What the model writes after
+    # is its own, so the test checks the forced tokens (logprobs list every generated token).
+    msgs = [{"role": "user", "content": "What is the weather in Hefei?"}]
+    base = dict(model=server.model, messages=msgs, tools=TOOLS, temperature=0, max_tokens=12, logprobs=True)
+
+    def tokens(**kw):
+        r = post(server, "/v1/chat/completions", {**base, **kw})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        return [t["token"] for t in ch["logprobs"]["content"]], ch
+
+    toks, ch = tokens(tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                      chat_template_kwargs={"enable_thinking": False})
+    assert toks[0] == "<tool_call>" and "".join(toks[1:]).startswith("get_weather"), toks
+    calls = ch["message"].get("tool_calls") or []
+    assert [c["function"]["name"] for c in calls] in ([], ["get_weather"])
+    if not calls:
+        assert (ch["message"]["content"] or "").startswith("<tool_call>get_weather"), ch
+    toks, _ = tokens(tool_choice="required", max_thinking_tokens=3)
+    i = toks.index("</think>")
+    assert i <= 3 and toks[i + 1] == "<tool_call>", toks
+    toks, _ = tokens(tool_choice={"type": "function", "function": {"name": "tap"}}, max_thinking_tokens=2)
+    i = toks.index("</think>")
+    assert toks[i + 1] == "<tool_call>" and "".join(toks[i + 2:]).startswith("tap"), toks
+    # Streaming forces the same tokens.
+    r = requests.post(server.base + "/v1/chat/completions", json={
+        **base, "stream": True, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "chat_template_kwargs": {"enable_thinking": False}}, stream=True, timeout=60)
+    streamed = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                streamed += [t["token"] for t in (c.get("logprobs") or {}).get("content") or []]
+    assert streamed[0] == "<tool_call>" and "".join(streamed[1:]).startswith("get_weather"), streamed
+    # Bad choices are 400s naming `tool_choice`.
+    for choice, tools in [({"type": "function", "function": {"name": "rm_rf"}}, TOOLS), ("required", None),
+                          ("always", TOOLS), ({"type": "function"}, TOOLS), (3, TOOLS)]:
+        body = {**base, "tool_choice": choice}
+        if tools is None:
+            body.pop("tools")
+        r = post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (choice, r.text)
+
+
 def test_stop_string_keeps_what_came_before_it(tmp_path):
     # A stop string inside a tool call: the call it cut short is still recovered (it was lost,
     # with its text, before session 30), streamed or not; the logprobs count every token.

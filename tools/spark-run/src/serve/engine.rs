@@ -23,24 +23,45 @@ pub enum Cmd {
     Stop(u64),
 }
 
-/// Forwards events to a handler; forces `</think>` after a reasoning budget.
-pub struct ChanSink {
-    pub tx: tmpsc::UnboundedSender<Event>,
+/// How a chat request's output is steered while it is generated.
+#[derive(Debug, Clone, Default)]
+pub struct Steer {
     /// `(tokens left, </think> id)` while the reasoning block is open and budgeted.
     pub think_budget: Option<(usize, u32)>,
+    /// `(</think> id, tokens)`: once the reasoning ends, these tokens come next (the start of a
+    /// tool call that `tool_choice` requires).
+    pub after_think: Option<(u32, Vec<u32>)>,
+}
+
+/// Forwards events to a handler; forces `</think>` after a reasoning budget and the tokens
+/// [`Steer::after_think`] asks for.
+pub struct ChanSink {
+    pub tx: tmpsc::UnboundedSender<Event>,
+    pub steer: Steer,
+    /// Tokens still to force, one per event.
+    queue: std::collections::VecDeque<u32>,
 }
 
 impl Sink for ChanSink {
     fn event(&mut self, e: Event) -> Control {
         let mut ctl = Control::Continue;
-        if let (Event::Token { id, .. }, Some((left, end))) = (&e, &mut self.think_budget) {
+        if let (Event::Token { id, .. }, Some((left, end))) = (&e, &mut self.steer.think_budget) {
             if *id == *end {
-                self.think_budget = None;
+                self.steer.think_budget = None;
             } else if *left <= 1 {
                 ctl = Control::ForceNext(*end);
-                self.think_budget = None;
+                self.steer.think_budget = None;
             } else {
                 *left -= 1;
+            }
+        }
+        if let Event::Token { id, stop: false, .. } = &e {
+            if self.steer.after_think.as_ref().is_some_and(|(end, _)| end == id) {
+                let (_, then) = self.steer.after_think.take().unwrap_or_default();
+                self.queue.extend(then);
+            }
+            if let Some(t) = self.queue.pop_front() {
+                ctl = Control::ForceNext(t);
             }
         }
         if self.tx.send(e).is_err() {
@@ -80,11 +101,11 @@ impl EngineHandle {
     pub async fn submit(
         &self,
         req: Request,
-        think_budget: Option<(usize, u32)>,
+        steer: Steer,
     ) -> Result<(u64, tmpsc::UnboundedReceiver<Event>), EngineError> {
         let (etx, erx) = tmpsc::unbounded_channel();
         let (rtx, rrx) = oneshot::channel();
-        let sink = Box::new(ChanSink { tx: etx, think_budget });
+        let sink = Box::new(ChanSink { tx: etx, steer, queue: Default::default() });
         self.tx.send(Cmd::Submit { req, sink, reply: rtx }).map_err(|_| EngineError::Down)?;
         match rrx.await {
             Ok(Ok(h)) => Ok((h, erx)),

@@ -22,7 +22,7 @@ use spark_core::scheduler::{Event, FinishReason, Request, SubmitError};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::engine::EngineError;
+use super::engine::{EngineError, Steer};
 use super::openai::{show, ApiError, Fields};
 use super::output::{chat_logprob, Pipeline};
 use super::AppState;
@@ -310,9 +310,53 @@ fn template_messages(v: Option<&Value>) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
-/// `tools` -> the specs the parser needs (checked) and the list for the template.
-fn read_tools(f: &Fields<'_>) -> Result<(Vec<ToolSpec>, Option<Value>), ApiError> {
-    let Some(v) = f.get("tools") else { return Ok((vec![], None)) };
+/// What `tool_choice` asks for (`"none"` is no tools at all).
+#[derive(Debug, Clone, PartialEq)]
+enum ToolChoice {
+    /// The model decides.
+    Auto,
+    /// The reply must be tool calls: `<tool_call>` is forced after the reasoning.
+    Required,
+    /// The reply must call this tool: `<tool_call>NAME` is forced after the reasoning.
+    Named(String),
+}
+
+/// `tools` and `tool_choice` -> the specs the parser needs (checked), the list for the
+/// template, and the choice.
+fn read_tools(f: &Fields<'_>) -> Result<(Vec<ToolSpec>, Option<Value>, ToolChoice), ApiError> {
+    let choice_error = |what: String| {
+        ApiError::invalid(
+            "tool_choice",
+            format!(
+                "`tool_choice` must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {what}"
+            ),
+        )
+    };
+    let choice = match f.get("tool_choice") {
+        None => Some(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => Some(ToolChoice::Auto),
+            "none" => None,
+            "required" => Some(ToolChoice::Required),
+            _ => return Err(choice_error(show(&Value::String(s.clone())))),
+        },
+        Some(Value::Object(o)) => {
+            let name = o.get("function").and_then(|f| f.get("name")).and_then(Value::as_str);
+            match (o.get("type").and_then(Value::as_str), name) {
+                (Some("function"), Some(n)) => Some(ToolChoice::Named(n.to_string())),
+                _ => return Err(choice_error(show(&Value::Object(o.clone())))),
+            }
+        }
+        Some(v) => return Err(choice_error(show(v))),
+    };
+    let Some(v) = f.get("tools") else {
+        return match choice {
+            None | Some(ToolChoice::Auto) => Ok((vec![], None, ToolChoice::Auto)),
+            Some(_) => {
+                Err(ApiError::invalid("tool_choice", "`tool_choice` asks for a tool call but no `tools` were given"))
+            }
+        };
+    };
     let Value::Array(list) = v else {
         return Err(ApiError::invalid("tools", format!("`tools` must be a list, got {}", show(v))));
     };
@@ -326,23 +370,22 @@ fn read_tools(f: &Fields<'_>) -> Result<(Vec<ToolSpec>, Option<Value>), ApiError
             ));
         }
     }
-    let choice = match f.get("tool_choice") {
-        None => "auto",
-        Some(Value::String(s)) if s == "auto" || s == "none" => s.as_str(),
-        Some(v) => {
+    let Some(choice) = choice else { return Ok((vec![], None, ToolChoice::Auto)) };
+    if let ToolChoice::Named(n) = &choice {
+        if !names.contains(n.as_str()) {
             return Err(ApiError::invalid(
                 "tool_choice",
-                format!(
-                    "`tool_choice` must be \"auto\" or \"none\" (forcing a tool is not supported), got {}",
-                    show(v)
-                ),
-            ))
+                format!("`tool_choice` names the tool `{n}`, which is not in `tools`"),
+            ));
         }
-    };
-    if choice == "none" || list.is_empty() {
-        return Ok((vec![], None));
     }
-    Ok((ToolSpec::from_openai(v), Some(v.clone())))
+    if list.is_empty() {
+        if choice != ToolChoice::Auto {
+            return Err(ApiError::invalid("tool_choice", "`tool_choice` asks for a tool call but `tools` is empty"));
+        }
+        return Ok((vec![], None, choice));
+    }
+    Ok((ToolSpec::from_openai(v), Some(v.clone()), choice))
 }
 
 /// Check one `tools` entry: `{"type": "function", "function": {"name", "description"?,
@@ -443,6 +486,17 @@ fn submit_error(e: EngineError) -> ApiError {
     }
 }
 
+/// Tokens a request is made to emit instead of sampled ones.
+#[derive(Default)]
+struct Forcing {
+    /// TEST HOOK: the whole output (see [`super::Scripted`]).
+    script: Vec<u32>,
+    /// The first tokens of the output.
+    prefix: Vec<u32>,
+    /// `</think>` after a budget, and what follows `</think>`.
+    steer: Steer,
+}
+
 /// How a generation is presented.
 #[derive(Clone)]
 enum Kind {
@@ -475,7 +529,7 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     let f = Fields(&obj);
     let c = common(&state, &f, true)?;
     let messages = template_messages(f.get("messages"))?;
-    let (tools, tools_value) = read_tools(&f)?;
+    let (tools, tools_value, choice) = read_tools(&f)?;
     let mut kwargs = match f.get("chat_template_kwargs") {
         None => Map::new(),
         Some(Value::Object(o)) => o.clone(),
@@ -518,12 +572,40 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         }
         _ => vec![],
     };
-    let think_budget = match (thinking, max_thinking, state.tok.special_ids().end_think) {
+    let special = state.tok.special_ids();
+    let think_budget = match (thinking, max_thinking, special.end_think) {
         (true, Some(n), Some(end)) => Some((n, end)),
         _ => None,
     };
+    let mut steer = Steer { think_budget, after_think: None };
+    // A required call: its start is forced where the content would begin (after `</think>`,
+    // or first when thinking is off). A scripted reply (test hook) is left as scripted.
+    let mut prefix = vec![];
+    let forced = match &choice {
+        ToolChoice::Auto => None,
+        ToolChoice::Required => Some("<tool_call>".to_string()),
+        ToolChoice::Named(n) => Some(format!("<tool_call>{n}")),
+    };
+    if let Some(text) = forced.filter(|_| script.is_empty()) {
+        let ids = state.tok.encode(&text).map_err(|e| ApiError::bad_request(format!("tokenizing `{text}`: {e:#}")))?;
+        let unsupported = || {
+            ApiError::invalid(
+                "tool_choice",
+                "this checkpoint's tokenizer has no <tool_call> / </think> tokens, so a tool call cannot be required",
+            )
+        };
+        if special.tool_call.is_none() || ids.first().copied() != special.tool_call {
+            return Err(unsupported());
+        }
+        if thinking {
+            steer.after_think = Some((special.end_think.ok_or_else(unsupported)?, ids));
+        } else {
+            prefix = ids;
+        }
+    }
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
-    let job = start(&state, prompt, &c, logprobs, script, think_budget, Kind::Chat { tools, thinking }).await?;
+    let forcing = Forcing { script, prefix, steer };
+    let job = start(&state, prompt, &c, logprobs, forcing, Kind::Chat { tools, thinking }).await?;
     if c.stream {
         Ok(stream(job))
     } else {
@@ -578,7 +660,7 @@ async fn completions_inner(state: Arc<AppState>, body: Result<Bytes, BytesReject
         }
     };
     let logprobs = f.uint("logprobs", 20)?.map(|n| n as usize);
-    let job = start(&state, prompt, &c, logprobs, vec![], None, Kind::Completion).await?;
+    let job = start(&state, prompt, &c, logprobs, Forcing::default(), Kind::Completion).await?;
     if c.stream {
         Ok(stream(job))
     } else {
@@ -591,8 +673,7 @@ async fn start(
     prompt: Vec<u32>,
     c: &Common,
     logprobs: Option<usize>,
-    script: Vec<u32>,
-    think_budget: Option<(usize, u32)>,
+    forcing: Forcing,
     kind: Kind,
 ) -> Result<Job, ApiError> {
     if prompt.len() >= state.ctx {
@@ -625,9 +706,10 @@ async fn start(
         params: c.params,
         stop_ids: if c.ignore_eos { vec![] } else { state.eos.clone() },
         logprobs,
-        script,
+        script: forcing.script,
+        prefix: forcing.prefix,
     };
-    let (handle, rx) = state.engine.submit(req, think_budget).await.map_err(submit_error)?;
+    let (handle, rx) = state.engine.submit(req, forcing.steer).await.map_err(submit_error)?;
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
     let prefix = if matches!(kind, Kind::Chat { .. }) { "chatcmpl" } else { "cmpl" };
     Ok(Job {
