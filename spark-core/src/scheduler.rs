@@ -62,6 +62,9 @@ pub struct Request {
     /// The first generated tokens, emitted as given instead of sampled (e.g. the start of a tool
     /// call the caller requires); sampling takes over after them. Empty in most requests.
     pub prefix: Vec<u32>,
+    /// `(token, bias)`: added to the token's logit before sampling and log-probabilities
+    /// (OpenAI `logit_bias`; -100 all but bans a token, +100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Request {
@@ -75,6 +78,7 @@ impl Request {
             logprobs: None,
             script: vec![],
             prefix: vec![],
+            logit_bias: vec![],
         }
     }
 }
@@ -261,6 +265,12 @@ impl Scheduler {
         }
         if req.prompt.len() >= self.ctx {
             return Err(SubmitError::PromptTooLong { len: req.prompt.len(), ctx: self.ctx });
+        }
+        if let Some(&(bad, _)) = req.logit_bias.iter().find(|&&(t, _)| t as usize >= self.vocab) {
+            return Err(SubmitError::InvalidParams(format!(
+                "logit_bias names token id {bad}, outside the vocabulary ({})",
+                self.vocab
+            )));
         }
         if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(SubmitError::InvalidParams(format!(
@@ -480,6 +490,11 @@ impl Scheduler {
 impl Seq {
     /// Sample the next token from `logits`, report it, and say whether the request ends.
     fn sample_and_report(&mut self, logits: &mut [f32], ctx: usize) -> Option<FinishReason> {
+        for &(t, b) in &self.req.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         let n = self.generated.len();
         let scripted = self.req.script.get(n).or_else(|| self.req.prefix.get(n)).copied();
         let (lp_info, tok) = match self.forced.take().or(scripted) {
@@ -788,6 +803,17 @@ mod tests {
         let got = tokens(&l5);
         assert_eq!(&got[..2], &[9, 8]);
         assert_eq!(&got[2..], greedy_reference(&[1, 2, 3, 9, 8], 2));
+        // A logit bias moves greedy decoding off the fake model's answer.
+        let l6 = Log::default();
+        let mut r = req(prompt.clone(), 2);
+        let first = greedy_reference(&prompt, 1)[0];
+        r.logit_bias = vec![(first, -100.0), ((first + 3) % 8, 10.0)];
+        sch.submit(r, sink(&l6)).unwrap();
+        sch.run_to_completion(&mut exec);
+        assert_eq!(tokens(&l6)[0], (first + 3) % 8);
+        let mut r = req(prompt.clone(), 2);
+        r.logit_bias = vec![(1 << 30, 1.0)];
+        assert!(matches!(sch.submit(r, sink(&l6)), Err(SubmitError::InvalidParams(_))));
         assert_eq!(finished(&l5), Some(FinishReason::Length));
         // The executor failing fails the request and frees its KV.
         exec.fail_on = Some(7);

@@ -463,6 +463,66 @@ def test_tool_choice_required_and_named_force_the_call(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (choice, r.text)
 
 
+def test_parallel_tool_calls_false_ends_with_the_first_call(tmp_path):
+    two = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value></tool_call>"
+           "<tool_call>tap<arg_key>index</arg_key><arg_value>1</arg_value></tool_call>")
+    f = tmp_path / "script.txt"
+    f.write_text("\n---\n".join(["Two calls.</think>" + two] * 3))
+    s = Server("--scripted-reply", str(f))
+    try:
+        args = dict(model=s.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
+        r = s.client.chat.completions.create(**args)
+        assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather", "tap"]
+        r = s.client.chat.completions.create(parallel_tool_calls=False, **args)
+        ch = r.choices[0]
+        assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
+        assert ch.finish_reason == "tool_calls"
+        names = []
+        for chunk in s.client.chat.completions.create(parallel_tool_calls=False, stream=True, **args):
+            for c in chunk.choices:
+                names += [t.function.name for t in c.delta.tool_calls or []]
+        assert names == ["get_weather"]
+        assert s.metrics()["spark_kv_bytes_in_use"] == 0
+    finally:
+        s.stop()
+
+
+def test_logit_bias_and_unsupported_fields(server):
+    base = {"model": server.model, "prompt": "The file", "max_tokens": 3, "temperature": 0, "logprobs": 1}
+
+    def tokens(**kw):
+        r = post(server, "/v1/completions", {**base, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    # +100 all but forces a token: every step picks it; two different ids give two different tokens.
+    a, b = tokens(logit_bias={"300": 100}), tokens(logit_bias={"301": 100})
+    assert len(set(a)) == 1 and len(set(b)) == 1 and a[0] != b[0], (a, b)
+    # -100 bans one: with 300 banned, the next favourite (301) wins every step.
+    assert tokens(logit_bias={"300": 50, "301": 40}) == a
+    assert tokens(logit_bias={"300": -100, "301": 40}) == b
+    for body, param in [
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
+        r = post(server, "/v1/completions", {**base, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    msgs = [{"role": "user", "content": "hi"}]
+    for body, param in [
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ]:
+        r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, "max_tokens": 2,
+                                              "response_format": {"type": "text"}, "user": "u1"})
+    assert r.status_code == 200, r.text
+
+
 def test_stop_string_keeps_what_came_before_it(tmp_path):
     # A stop string inside a tool call: the call it cut short is still recovered (it was lost,
     # with its text, before session 30), streamed or not; the logprobs count every token.

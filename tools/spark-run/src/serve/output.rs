@@ -68,6 +68,9 @@ pub struct Pipeline<'t> {
     pub stopped: bool,
     finished: bool,
     truncated: bool,
+    /// `Some(n)`: the output ends with its n-th tool call (`parallel_tool_calls: false`: 1).
+    max_calls: Option<usize>,
+    calls: usize,
 }
 
 impl<'t> Pipeline<'t> {
@@ -80,7 +83,16 @@ impl<'t> Pipeline<'t> {
             stopped: false,
             finished: false,
             truncated: false,
+            max_calls: None,
+            calls: 0,
         }
+    }
+
+    /// End the output with its `n`-th tool call: what follows is dropped, and the output ends
+    /// there as if a stop string had matched.
+    pub fn with_max_calls(mut self, n: Option<usize>) -> Self {
+        self.max_calls = n;
+        self
     }
 
     /// Recovery notes of the tool-call parser.
@@ -125,6 +137,18 @@ impl<'t> Pipeline<'t> {
                 deltas.extend(if self.truncated && !hit { p.finish_truncated() } else { p.finish() });
             }
         }
+        if let Some(max) = self.max_calls {
+            for (i, d) in deltas.iter().enumerate() {
+                if matches!(d, Delta::ToolCall(_)) {
+                    self.calls += 1;
+                    if self.calls >= max {
+                        deltas.truncate(i + 1);
+                        self.finished = true;
+                        break;
+                    }
+                }
+            }
+        }
         deltas
     }
 
@@ -136,6 +160,34 @@ impl<'t> Pipeline<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_output_ends_with_its_last_allowed_call() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/spark-demo-tiny");
+        let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let tools = ToolSpec::from_openai(&json!([{"type": "function", "function": {"name": "tap"}}]));
+        let call = |i: u32| format!("<tool_call>tap<arg_key>index</arg_key><arg_value>{i}</arg_value></tool_call>");
+        let text = format!("{}{} and more", call(1), call(2));
+        let ids = tok.encode(&text).unwrap();
+        for (max, want) in [(None, 2), (Some(1), 1), (Some(2), 2)] {
+            let mut p = Pipeline::new(&tok, vec![], Some((tools.clone(), false))).with_max_calls(max);
+            let mut deltas = vec![];
+            let mut used = 0;
+            for &id in &ids {
+                used += 1;
+                deltas.extend(p.token(id));
+                if p.is_finished() {
+                    break;
+                }
+            }
+            deltas.extend(p.finish(false));
+            let calls = deltas.iter().filter(|d| matches!(d, Delta::ToolCall(_))).count();
+            assert_eq!(calls, want, "{max:?}");
+            // Limited, it ends at the last call allowed instead of reading on.
+            assert_eq!(used < ids.len(), max.is_some(), "{max:?}: read {used} of {}", ids.len());
+        }
+    }
 
     #[test]
     fn stop_matcher_holds_prefixes() {

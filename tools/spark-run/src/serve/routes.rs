@@ -167,9 +167,82 @@ struct Common {
     include_usage: bool,
     /// vLLM extension: keep generating past EOS (benchmarks, tests).
     ignore_eos: bool,
+    /// OpenAI `logit_bias`: `(token id, bias)`.
+    logit_bias: Vec<(u32, f32)>,
+}
+
+/// Request fields that would change the output and that this server does not implement: each
+/// is refused (a 400 naming it) instead of being silently ignored.
+fn refuse_unsupported(f: &Fields<'_>, chat: bool) -> Result<(), ApiError> {
+    if let Some(v) = f.get("response_format") {
+        let text = v.get("type").and_then(Value::as_str) == Some("text");
+        if !text && !v.is_null() {
+            return Err(ApiError::invalid(
+                "response_format",
+                format!(
+                    "`response_format` {} is not supported (no constrained decoding yet); only {{\"type\": \"text\"}}",
+                    show(v)
+                ),
+            ));
+        }
+    }
+    if chat {
+        for k in ["functions", "function_call"] {
+            if f.get(k).is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::invalid(
+                    k,
+                    format!("`{k}` is the deprecated form of `tools` / `tool_choice`: use those"),
+                ));
+            }
+        }
+        if f.get("audio").is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid("audio", "audio output is not supported (Spark-X2.5 writes text)"));
+        }
+        if let Some(m) = f.get("modalities").filter(|m| !m.is_null()) {
+            if *m != serde_json::json!(["text"]) {
+                return Err(ApiError::invalid("modalities", format!("only [\"text\"] is supported, got {}", show(m))));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `logit_bias`: `{"token id": bias}` with biases in [-100, 100].
+fn logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let m = match f.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("`logit_bias` must be an object of token ids to biases, got {}", show(v)),
+            ))
+        }
+    };
+    if m.len() > 1024 {
+        return Err(ApiError::invalid("logit_bias", format!("`logit_bias` has {} entries; at most 1024", m.len())));
+    }
+    m.iter()
+        .map(|(k, v)| {
+            let id = k.parse::<u32>().map_err(|_| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` key {} is not a token id", show(&Value::String(k.clone()))),
+                )
+            })?;
+            let b = v.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` of token {id} must be a number in [-100, 100], got {}", show(v)),
+                )
+            })?;
+            Ok((id, b as f32))
+        })
+        .collect()
 }
 
 fn common(state: &AppState, f: &Fields<'_>, chat: bool) -> Result<Common, ApiError> {
+    refuse_unsupported(f, chat)?;
     if let Some(m) = f.str("model")? {
         if m != state.model_id {
             return Err(ApiError::new(
@@ -231,6 +304,7 @@ fn common(state: &AppState, f: &Fields<'_>, chat: bool) -> Result<Common, ApiErr
         stream: f.bool("stream")?.unwrap_or(false),
         include_usage,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        logit_bias: logit_bias(f)?,
     })
 }
 
@@ -481,6 +555,7 @@ fn submit_error(e: EngineError) -> ApiError {
                 ApiError::invalid("messages", e.to_string()).with_code("context_length_exceeded")
             }
             SubmitError::EmptyPrompt => ApiError::invalid("prompt", e.to_string()),
+            SubmitError::InvalidParams(m) if m.starts_with("logit_bias") => ApiError::invalid("logit_bias", m),
             SubmitError::InvalidParams(m) => ApiError::bad_request(m),
         },
     }
@@ -500,7 +575,12 @@ struct Forcing {
 /// How a generation is presented.
 #[derive(Clone)]
 enum Kind {
-    Chat { tools: Vec<ToolSpec>, thinking: bool },
+    /// `max_calls`: `Some(1)` for `parallel_tool_calls: false`.
+    Chat {
+        tools: Vec<ToolSpec>,
+        thinking: bool,
+        max_calls: Option<usize>,
+    },
     Completion,
 }
 
@@ -605,7 +685,8 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     }
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
     let forcing = Forcing { script, prefix, steer };
-    let job = start(&state, prompt, &c, logprobs, forcing, Kind::Chat { tools, thinking }).await?;
+    let max_calls = if f.bool("parallel_tool_calls")? == Some(false) { Some(1) } else { None };
+    let job = start(&state, prompt, &c, logprobs, forcing, Kind::Chat { tools, thinking, max_calls }).await?;
     if c.stream {
         Ok(stream(job))
     } else {
@@ -708,6 +789,7 @@ async fn start(
         logprobs,
         script: forcing.script,
         prefix: forcing.prefix,
+        logit_bias: c.logit_bias.clone(),
     };
     let (handle, rx) = state.engine.submit(req, forcing.steer).await.map_err(submit_error)?;
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
@@ -739,10 +821,11 @@ enum Step {
 impl Job {
     fn pipeline(&self) -> Pipeline<'_> {
         let chat = match &self.kind {
-            Kind::Chat { tools, thinking } => Some((tools.clone(), *thinking)),
+            Kind::Chat { tools, thinking, .. } => Some((tools.clone(), *thinking)),
             Kind::Completion => None,
         };
-        Pipeline::new(&self.state.tok, self.stop.clone(), chat)
+        let max_calls = if let Kind::Chat { max_calls, .. } = &self.kind { *max_calls } else { None };
+        Pipeline::new(&self.state.tok, self.stop.clone(), chat).with_max_calls(max_calls)
     }
 
     fn usage(&self, completion: usize) -> Value {
