@@ -165,7 +165,7 @@ mod tests {
     #[test]
     fn the_output_ends_with_its_last_allowed_call() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/spark-demo-tiny");
-        let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let tok = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
         let tools = ToolSpec::from_openai(&json!([{"type": "function", "function": {"name": "tap"}}]));
         let call = |i: u32| format!("<tool_call>tap<arg_key>index</arg_key><arg_value>{i}</arg_value></tool_call>");
         let text = format!("{}{} and more", call(1), call(2));
