@@ -11,6 +11,7 @@
 //! - [`kv`]: KV-cache layout (sliding layers a ring of `window`, full layers grow) and accounting.
 //! - [`rope`]: per-layer-type rotary tables sized to the served context.
 //! - [`sample`]: logits processors and seeded samplers.
+//! - [`constraint`]: constrained generation (JSON mode): which tokens may come next.
 //! - [`tokenizer`], [`chat`]: `tokenizer.json` and chat-template rendering.
 //! - [`engine`]: the generation loop over an `Executor`.
 //! - [`plugin`]: the backend plugin C ABI, its export macro and the loader.
@@ -19,6 +20,7 @@
 pub mod backend;
 pub mod chat;
 pub mod config;
+pub mod constraint;
 pub mod dtype;
 pub mod engine;
 pub mod error;

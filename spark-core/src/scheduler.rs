@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Executor, LogitsMode, SeqStep};
 use crate::config::ModelConfig;
+use crate::constraint::Constraint;
 use crate::dtype::DType;
 use crate::kv::sequence_kv_bytes;
 use crate::sample::{logsumexp, top_logprobs, Sampler, SamplingParams};
@@ -45,7 +46,7 @@ impl Default for SchedulerConfig {
 }
 
 /// What a request asks for.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
@@ -65,6 +66,18 @@ pub struct Request {
     /// `(token, bias)`: added to the token's logit before sampling and log-probabilities
     /// (OpenAI `logit_bias`; -100 all but bans a token, +100 all but forces it).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Which tokens may come next (JSON mode); `None` for free generation.
+    pub constraint: Constrain,
+}
+
+/// A request's [`Constraint`], if any.
+#[derive(Default)]
+pub struct Constrain(pub Option<Box<dyn Constraint>>);
+
+impl std::fmt::Debug for Constrain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Constrain(Some(..))" } else { "Constrain(None)" })
+    }
 }
 
 impl Request {
@@ -79,6 +92,7 @@ impl Request {
             script: vec![],
             prefix: vec![],
             logit_bias: vec![],
+            constraint: Constrain::default(),
         }
     }
 }
@@ -488,6 +502,36 @@ impl Scheduler {
 }
 
 impl Seq {
+    /// Sample a token the request's constraint allows: sample, and while the token is refused
+    /// ban it and sample again; after 8 refusals ban every refused token and sample once more.
+    /// `None` when the constraint allows no token at all.
+    fn sample_allowed(&mut self, logits: &mut [f32]) -> Option<u32> {
+        let Some(c) = self.req.constraint.0.as_ref() else {
+            return Some(self.sampler.sample(logits, &self.req.prompt, &self.generated));
+        };
+        // The logits with the bans so far (the sampler changes the slice it is given).
+        let mut banned = logits.to_vec();
+        for _ in 0..8 {
+            let t = self.sampler.sample(logits, &self.req.prompt, &self.generated);
+            if c.allows(t) {
+                return Some(t);
+            }
+            banned[t as usize] = f32::NEG_INFINITY;
+            logits.copy_from_slice(&banned);
+        }
+        for (t, l) in banned.iter_mut().enumerate() {
+            if *l != f32::NEG_INFINITY && !c.allows(t as u32) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if banned.iter().all(|&l| l == f32::NEG_INFINITY) {
+            return None;
+        }
+        logits.copy_from_slice(&banned);
+        let t = self.sampler.sample(logits, &self.req.prompt, &self.generated);
+        c.allows(t).then_some(t)
+    }
+
     /// Sample the next token from `logits`, report it, and say whether the request ends.
     fn sample_and_report(&mut self, logits: &mut [f32], ctx: usize) -> Option<FinishReason> {
         for &(t, b) in &self.req.logit_bias {
@@ -508,11 +552,15 @@ impl Seq {
             None => {
                 let lp = self.req.logprobs.map(|n| (logsumexp(logits), top_logprobs(logits, n)));
                 let raw = lp.as_ref().map(|_| logits.to_vec());
-                let tok = self.sampler.sample(logits, &self.req.prompt, &self.generated);
+                // Nothing the constraint allows (it always leaves a way to go on or end): end.
+                let Some(tok) = self.sample_allowed(logits) else { return Some(FinishReason::Stop) };
                 let lp = lp.zip(raw).map(|((lse, top), raw)| (raw[tok as usize] - lse, top));
                 (lp, tok)
             }
         };
+        if let Some(c) = self.req.constraint.0.as_mut() {
+            c.advance(tok);
+        }
         self.generated.push(tok);
         let stop = self.req.stop_ids.contains(&tok);
         let (logprob, top) = match lp_info {
@@ -811,6 +859,39 @@ mod tests {
         sch.submit(r, sink(&l6)).unwrap();
         sch.run_to_completion(&mut exec);
         assert_eq!(tokens(&l6)[0], (first + 3) % 8);
+        // A constraint: only the tokens it allows come out, each one passed to it, and a
+        // constraint that allows nothing ends the request.
+        struct Only(Vec<u32>, std::sync::Arc<std::sync::Mutex<Vec<u32>>>);
+        impl Constraint for Only {
+            fn allows(&self, t: u32) -> bool {
+                self.0.contains(&t)
+            }
+            fn advance(&mut self, t: u32) {
+                self.1.lock().unwrap().push(t);
+            }
+        }
+        for params in [SamplingParams::greedy(), SamplingParams { temperature: 1.0, seed: 3, ..Default::default() }] {
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+            let l7 = Log::default();
+            let mut r = req(prompt.clone(), 6);
+            r.params = params;
+            r.prefix = vec![12];
+            r.constraint = Constrain(Some(Box::new(Only(vec![3, 11], seen.clone()))));
+            sch.submit(r, sink(&l7)).unwrap();
+            sch.run_to_completion(&mut exec);
+            let got = tokens(&l7);
+            assert_eq!(got.len(), 6);
+            assert!(got[1..].iter().all(|t| [3, 11].contains(t)), "{got:?}");
+            assert_eq!(*seen.lock().unwrap(), got);
+        }
+        let l8 = Log::default();
+        let mut r = req(prompt.clone(), 6);
+        r.constraint = Constrain(Some(Box::new(Only(vec![], Default::default()))));
+        sch.submit(r, sink(&l8)).unwrap();
+        sch.run_to_completion(&mut exec);
+        assert!(tokens(&l8).is_empty());
+        assert_eq!(finished(&l8), Some(FinishReason::Stop));
+        assert_eq!(exec.kv_bytes(), 0);
         let mut r = req(prompt.clone(), 2);
         r.logit_bias = vec![(1 << 30, 1.0)];
         assert!(matches!(sch.submit(r, sink(&l6)), Err(SubmitError::InvalidParams(_))));

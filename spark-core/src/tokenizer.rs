@@ -158,6 +158,20 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes a token stands for in text: an added token's content, a byte-level vocabulary
+    /// token's bytes (which may be part of a UTF-8 character). `None` for special tokens (they
+    /// are not text) and unknown ids.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let added = self.inner.get_added_vocabulary();
+        if let Some(t) = added.simple_id_to_token(id) {
+            return (!added.is_special_token(&t)).then(|| t.into_bytes());
+        }
+        let piece = self.inner.id_to_token(id)?;
+        let bytes: Option<Vec<u8>> = piece.chars().map(byte_of_char).collect();
+        // Not a byte-level vocabulary: the token's text as decoded.
+        bytes.or_else(|| self.inner.decode(&[id], false).ok().map(String::into_bytes))
+    }
+
     /// One past the largest id, added tokens included (the number of tokens when ids have
     /// no gaps).
     pub fn vocab_size(&self) -> usize {
@@ -191,6 +205,28 @@ impl Tokenizer {
     pub fn pad_id(&self) -> Option<u32> {
         self.special.pad
     }
+}
+
+/// The byte a byte-level BPE character stands for (GPT-2's `bytes_to_unicode`, inverted):
+/// printable Latin-1 bytes are themselves, the other 68 bytes map to U+0100.. in order.
+fn byte_of_char(c: char) -> Option<u8> {
+    static TABLE: std::sync::OnceLock<[Option<u8>; 324]> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        let printable =
+            |b: usize| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+        let mut t = [None; 324];
+        let mut next = 256;
+        for b in 0..256usize {
+            if printable(b) {
+                t[b] = Some(b as u8);
+            } else {
+                t[next] = Some(b as u8);
+                next += 1;
+            }
+        }
+        t
+    });
+    table.get(c as usize).copied().flatten()
 }
 
 /// Incremental decoding of a stream of ids into text deltas.
@@ -284,6 +320,22 @@ fn text_after(prefix: &str, text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_bytes_spell_the_text() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/spark-demo-tiny");
+        let tok = Tokenizer::from_model_dir(&dir).unwrap();
+        for text in ["naïve café — 東京 {\"a\": [1, 2.5e-3]}\n\ttabs", "  two spaces\r\n", "<tool_call>x</tool_call>"]
+        {
+            let ids = tok.encode(text).unwrap();
+            let bytes: Vec<u8> = ids.iter().flat_map(|&i| tok.token_bytes(i).unwrap()).collect();
+            assert_eq!(String::from_utf8(bytes).unwrap(), text);
+        }
+        assert_eq!(tok.token_bytes(tok.eos_id().unwrap()), None);
+        assert_eq!(tok.token_bytes(1 << 30), None);
+        // Every vocabulary token has bytes.
+        assert!((0..tok.vocab_size() as u32).filter(|&i| !tok.is_special(i)).all(|i| tok.token_bytes(i).is_some()));
+    }
 
     #[test]
     fn text_after_handles_rewritten_prefix() {

@@ -523,6 +523,47 @@ def test_logit_bias_and_unsupported_fields(server):
     assert r.status_code == 200, r.text
 
 
+def test_json_mode_gives_json_objects(server):
+    # response_format json_object: the content is one JSON object (the toy model's objects are
+    # nonsense, but they parse), with thinking on (reasoning free, then the object) or off,
+    # streamed or not.
+    msgs = [{"role": "user", "content": "Describe a file as JSON with its name and size."}]
+    complete = 0
+    for seed in range(4):
+        for thinking in (False, True):
+            for stream in (False, True):
+                body = {"model": server.model, "messages": msgs, "response_format": {"type": "json_object"},
+                        "temperature": 0.8, "seed": seed, "max_tokens": 160, "max_thinking_tokens": 16,
+                        "chat_template_kwargs": {"enable_thinking": thinking}}
+                if stream:
+                    r = requests.post(server.base + "/v1/chat/completions", json={**body, "stream": True}, stream=True)
+                    content, finish = "", None
+                    for line in r.iter_lines():
+                        if line.startswith(b"data: {"):
+                            for c in json.loads(line[6:])["choices"]:
+                                content += c["delta"].get("content") or ""
+                                finish = c.get("finish_reason") or finish
+                else:
+                    r = post(server, "/v1/chat/completions", body)
+                    assert r.status_code == 200, r.text
+                    ch = r.json()["choices"][0]
+                    content, finish = ch["message"]["content"], ch["finish_reason"]
+                assert content.lstrip().startswith("{"), (seed, thinking, content)
+                if finish == "stop":
+                    assert isinstance(json.loads(content), dict), content
+                    complete += 1
+                else:
+                    assert finish == "length", finish
+    assert complete >= 8, complete
+    for body in [{"response_format": {"type": "json_object"}, "tools": TOOLS},
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+                 {"response_format": {"type": "yaml"}}]:
+        r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", (body, r.text)
+    r = post(server, "/v1/completions", {"model": server.model, "prompt": "x", "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 def test_stop_string_keeps_what_came_before_it(tmp_path):
     # A stop string inside a tool call: the call it cut short is still recovered (it was lost,
     # with its text, before session 30), streamed or not; the logprobs count every token.

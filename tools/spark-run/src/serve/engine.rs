@@ -14,7 +14,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 /// A command to the engine thread.
 pub enum Cmd {
     Submit {
-        req: Request,
+        req: Box<Request>,
         sink: Box<dyn Sink>,
         reply: oneshot::Sender<Result<u64, SubmitError>>,
     },
@@ -106,7 +106,7 @@ impl EngineHandle {
         let (etx, erx) = tmpsc::unbounded_channel();
         let (rtx, rrx) = oneshot::channel();
         let sink = Box::new(ChanSink { tx: etx, steer, queue: Default::default() });
-        self.tx.send(Cmd::Submit { req, sink, reply: rtx }).map_err(|_| EngineError::Down)?;
+        self.tx.send(Cmd::Submit { req: Box::new(req), sink, reply: rtx }).map_err(|_| EngineError::Down)?;
         match rrx.await {
             Ok(Ok(h)) => Ok((h, erx)),
             Ok(Err(e)) => Err(EngineError::Rejected(e)),
@@ -139,7 +139,7 @@ pub enum EngineError {
 fn engine_loop(exec: &mut dyn Executor, sch: &mut Scheduler, rx: &mpsc::Receiver<Cmd>, metrics: &Mutex<Metrics>) {
     let handle = |sch: &mut Scheduler, c: Cmd| match c {
         Cmd::Submit { req, sink, reply } => {
-            let _ = reply.send(sch.submit(req, sink));
+            let _ = reply.send(sch.submit(*req, sink));
         }
         Cmd::Cancel(h) => sch.cancel(h),
         Cmd::Stop(h) => sch.stop(h),

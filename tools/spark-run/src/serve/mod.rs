@@ -63,6 +63,8 @@ pub struct AppState {
     pub ctx: usize,
     /// Most tokens (prompt + completion) one sequence can hold within the KV budget (<= ctx).
     pub seq_tokens: usize,
+    /// Every token's bytes, for JSON mode.
+    pub token_bytes: spark_core::constraint::TokenBytes,
     pub defaults: SamplingParams,
     pub engine: engine::EngineHandle,
     pub scripted: Option<Scripted>,
@@ -142,6 +144,7 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
     };
     let sch = Scheduler::new(cfg.scheduler.clone(), loaded.config.clone(), loaded.exec.as_ref());
     let seq_tokens = sequence_limit(&sch, cfg.scheduler.kv_budget)?;
+    let token_bytes = Arc::new((0..tok.vocab_size() as u32).map(|i| tok.token_bytes(i)).collect());
     let engine = engine::EngineHandle::start(loaded.exec, sch).context("starting the engine thread")?;
     let state = Arc::new(AppState {
         model_id,
@@ -150,6 +153,7 @@ pub fn run(cfg: ServeConfig, loaded: Loaded) -> Result<()> {
         eos: loaded.config.eos.clone(),
         ctx: info.ctx,
         seq_tokens,
+        token_bytes,
         defaults: default_params(&dir)?,
         engine,
         scripted,

@@ -17,8 +17,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use spark_core::chat::toolcall::{Delta, ToolCall, ToolSpec};
+use spark_core::constraint::{Constraint, JsonObject};
 use spark_core::sample::SamplingParams;
-use spark_core::scheduler::{Event, FinishReason, Request, SubmitError};
+use spark_core::scheduler::{Constrain, Event, FinishReason, Request, SubmitError};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -174,15 +175,21 @@ struct Common {
 /// Request fields that would change the output and that this server does not implement: each
 /// is refused (a 400 naming it) instead of being silently ignored.
 fn refuse_unsupported(f: &Fields<'_>, chat: bool) -> Result<(), ApiError> {
-    if let Some(v) = f.get("response_format") {
-        let text = v.get("type").and_then(Value::as_str) == Some("text");
-        if !text && !v.is_null() {
+    if let Some(v) = f.get("response_format").filter(|v| !v.is_null()) {
+        let ok = match v.get("type").and_then(Value::as_str) {
+            Some("text") => true,
+            Some("json_object") => chat,
+            _ => false,
+        };
+        if !ok {
+            let what = if chat {
+                "{\"type\": \"text\"} or {\"type\": \"json_object\"} (JSON schemas are not enforced yet)"
+            } else {
+                "{\"type\": \"text\"}"
+            };
             return Err(ApiError::invalid(
                 "response_format",
-                format!(
-                    "`response_format` {} is not supported (no constrained decoding yet); only {{\"type\": \"text\"}}",
-                    show(v)
-                ),
+                format!("`response_format` {} is not supported; use {what}", show(v)),
             ));
         }
     }
@@ -570,6 +577,8 @@ struct Forcing {
     prefix: Vec<u32>,
     /// `</think>` after a budget, and what follows `</think>`.
     steer: Steer,
+    /// Which tokens may come next (JSON mode).
+    constraint: Option<Box<dyn Constraint>>,
 }
 
 /// How a generation is presented.
@@ -684,8 +693,24 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         }
     }
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
-    let forcing = Forcing { script, prefix, steer };
+    let mut forcing = Forcing { script, prefix, steer, constraint: None };
     let max_calls = if f.bool("parallel_tool_calls")? == Some(false) { Some(1) } else { None };
+    // JSON mode: the content is one JSON object (the reasoning before it is free).
+    let json_mode = f.get("response_format").and_then(|v| v.get("type")).and_then(Value::as_str) == Some("json_object");
+    if json_mode {
+        if !tools.is_empty() {
+            return Err(ApiError::invalid(
+                "response_format",
+                "JSON mode cannot be combined with tools (a tool call is not a JSON object); drop `tools` or set `tool_choice: \"none\"`",
+            ));
+        }
+        if thinking && special.end_think.is_none() {
+            return Err(ApiError::invalid("response_format", "this checkpoint's tokenizer has no </think> token"));
+        }
+        let start = if thinking { special.end_think } else { None };
+        forcing.constraint =
+            Some(Box::new(JsonObject::new(state.token_bytes.clone(), state.eos.clone(), start)) as Box<dyn Constraint>);
+    }
     let job = start(&state, prompt, &c, logprobs, forcing, Kind::Chat { tools, thinking, max_calls }).await?;
     if c.stream {
         Ok(stream(job))
@@ -790,6 +815,7 @@ async fn start(
         script: forcing.script,
         prefix: forcing.prefix,
         logit_bias: c.logit_bias.clone(),
+        constraint: Constrain(forcing.constraint),
     };
     let (handle, rx) = state.engine.submit(req, forcing.steer).await.map_err(submit_error)?;
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
