@@ -12,6 +12,14 @@
 //! waits in the queue, and beyond `max_queue` waiting requests it is rejected. A request that
 //! could never fit is rejected at once.
 //!
+//! Prefix cache ([`SchedulerConfig::prefix_cache`] bytes; 0 turns it off): when a sequence's
+//! prefill reaches one of its request's [`Request::cache_at`] points, a copy of its KV
+//! ([`Executor::fork`]) is kept under those prompt tokens. A later request whose prompt starts
+//! with a kept entry (and is longer) starts from a copy of it and prefills only the rest. Only
+//! whole entries are reused: a sliding layer's ring cannot be rewound past what it overwrote.
+//! Entries are evicted least recently used first; their bytes count against `prefix_cache`,
+//! not against `kv_budget`.
+//!
 //! Cancellation: [`Scheduler::cancel`], a sink whose [`Sink::cancelled`] turns true (a client
 //! that went away), or a sink returning [`Control::Stop`] ends the request at the next step and
 //! releases its KV at once.
@@ -37,12 +45,24 @@ pub struct SchedulerConfig {
     pub kv_budget: usize,
     /// Most requests waiting in the queue; more are rejected.
     pub max_queue: usize,
+    /// KV bytes the prefix cache may hold (0: no cache).
+    pub prefix_cache: usize,
 }
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { max_seqs: 16, step_tokens: 256, kv_budget: 512 << 20, max_queue: 64 }
+        SchedulerConfig { max_seqs: 16, step_tokens: 256, kv_budget: 512 << 20, max_queue: 64, prefix_cache: 0 }
     }
+}
+
+/// One kept prefix: a copy of a sequence's KV after `tokens`.
+struct CacheEntry {
+    /// The executor's sequence id holding the copy.
+    id: u64,
+    tokens: Vec<u32>,
+    bytes: usize,
+    /// When it was last made or used (the scheduler's step counter).
+    used: u64,
 }
 
 /// What a request asks for.
@@ -68,6 +88,9 @@ pub struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// Which tokens may come next (JSON mode); `None` for free generation.
     pub constraint: Constrain,
+    /// Prompt positions after which the sequence's KV is worth keeping for later requests
+    /// (e.g. the end of the system block, the start of the reply); see the module docs.
+    pub cache_at: Vec<usize>,
 }
 
 /// A request's [`Constraint`], if any.
@@ -93,6 +116,7 @@ impl Request {
             prefix: vec![],
             logit_bias: vec![],
             constraint: Constrain::default(),
+            cache_at: vec![],
         }
     }
 }
@@ -176,8 +200,14 @@ pub struct Metrics {
     pub running: usize,
     /// KV bytes reserved by running sequences.
     pub kv_reserved: usize,
-    /// KV bytes the executor reports in use.
+    /// KV bytes the executor reports in use by requests (the prefix cache excluded).
     pub kv_in_use: usize,
+    /// KV bytes held by the prefix cache, and its entries.
+    pub prefix_cache_bytes: usize,
+    pub prefix_cache_entries: usize,
+    /// Requests that started from a cached prefix, and the prompt tokens they did not prefill.
+    pub prefix_cache_hits: u64,
+    pub prefix_cache_tokens: u64,
 }
 
 struct Seq {
@@ -194,6 +224,8 @@ struct Seq {
     /// A sampled token not yet fed to the executor.
     pending: Option<u32>,
     forced: Option<u32>,
+    /// Prompt positions still to snapshot into the prefix cache, ascending.
+    cache_points: Vec<usize>,
 }
 
 /// The continuous-batching scheduler. See the module docs.
@@ -210,7 +242,13 @@ pub struct Scheduler {
     /// Requests to end at the next step, and why (cancelled, or a stop string the caller found).
     cancels: Vec<(u64, FinishReason)>,
     metrics: Metrics,
+    cache: Vec<CacheEntry>,
+    cache_bytes: usize,
+    next_cache_id: u64,
 }
+
+/// Executor sequence ids of prefix-cache entries start here (request handles count from 1).
+const CACHE_IDS: u64 = 1 << 62;
 
 impl Scheduler {
     /// A scheduler for `exec`, which runs `model`.
@@ -228,6 +266,9 @@ impl Scheduler {
             reserved: 0,
             cancels: Vec::new(),
             metrics: Metrics::default(),
+            cache: Vec::new(),
+            cache_bytes: 0,
+            next_cache_id: CACHE_IDS,
         }
     }
 
@@ -256,6 +297,13 @@ impl Scheduler {
         let handle = self.next_handle;
         self.next_handle += 1;
         let reserve = self.kv_bytes_for(req.prompt.len() + req.max_tokens);
+        let mut cache_points: Vec<usize> = if self.cfg.prefix_cache > 0 {
+            req.cache_at.iter().copied().filter(|&p| p > 0 && p < req.prompt.len()).collect()
+        } else {
+            vec![]
+        };
+        cache_points.sort_unstable();
+        cache_points.dedup();
         self.metrics.requests_submitted += 1;
         self.queue.push_back(Seq {
             handle,
@@ -268,6 +316,7 @@ impl Scheduler {
             generated: Vec::new(),
             pending: None,
             forced: None,
+            cache_points,
         });
         self.metrics.queue_depth = self.queue.len();
         Ok(handle)
@@ -333,7 +382,53 @@ impl Scheduler {
         self.metrics.queue_depth = self.queue.len();
         self.metrics.running = self.running.len();
         self.metrics.kv_reserved = self.reserved;
-        self.metrics.kv_in_use = exec.kv_bytes();
+        self.metrics.kv_in_use = exec.kv_bytes().saturating_sub(self.cache_bytes);
+        self.metrics.prefix_cache_bytes = self.cache_bytes;
+        self.metrics.prefix_cache_entries = self.cache.len();
+    }
+
+    /// Start `s` from the longest cached prefix of its prompt, if any.
+    fn start_from_cache(&mut self, exec: &mut dyn Executor, s: &mut Seq) {
+        let prompt = &s.req.prompt;
+        let best = self
+            .cache
+            .iter_mut()
+            .filter(|e| e.tokens.len() < prompt.len() && prompt.starts_with(&e.tokens))
+            .max_by_key(|e| e.tokens.len());
+        let Some(e) = best else { return };
+        if exec.fork(e.id, s.handle).is_err() {
+            exec.release(s.handle);
+            return;
+        }
+        e.used = self.metrics.steps;
+        s.fed = e.tokens.len();
+        s.cache_points.retain(|&p| p > s.fed);
+        self.metrics.prefix_cache_hits += 1;
+        self.metrics.prefix_cache_tokens += s.fed as u64;
+    }
+
+    /// Keep a copy of sequence `handle`'s KV, which holds `tokens`, in the prefix cache.
+    fn snapshot(&mut self, exec: &mut dyn Executor, handle: u64, tokens: &[u32]) {
+        if let Some(e) = self.cache.iter_mut().find(|e| e.tokens == tokens) {
+            e.used = self.metrics.steps;
+            return;
+        }
+        let id = self.next_cache_id;
+        self.next_cache_id += 1;
+        let before = exec.kv_bytes();
+        if exec.fork(handle, id).is_err() {
+            exec.release(id);
+            return;
+        }
+        let bytes = exec.kv_bytes().saturating_sub(before);
+        self.cache.push(CacheEntry { id, tokens: tokens.to_vec(), bytes, used: self.metrics.steps });
+        self.cache_bytes += bytes;
+        while self.cache_bytes > self.cfg.prefix_cache {
+            let Some(i) = self.cache.iter().enumerate().min_by_key(|(_, e)| e.used).map(|(i, _)| i) else { break };
+            let e = self.cache.swap_remove(i);
+            exec.release(e.id);
+            self.cache_bytes -= e.bytes;
+        }
     }
 
     /// Drop cancelled requests, releasing their KV.
@@ -389,7 +484,7 @@ impl Scheduler {
     }
 
     /// Move queued requests to running while they fit.
-    fn admit(&mut self) {
+    fn admit(&mut self, exec: &mut dyn Executor) {
         while self.running.len() < self.cfg.max_seqs {
             let Some(front) = self.queue.front() else { break };
             if self.reserved + front.reserve > self.cfg.kv_budget {
@@ -398,6 +493,9 @@ impl Scheduler {
             let Some(mut s) = self.queue.pop_front() else { break };
             self.reserved += s.reserve;
             s.admitted = true;
+            if !self.cache.is_empty() {
+                self.start_from_cache(exec, &mut s);
+            }
             self.metrics.prompt_tokens += s.req.prompt.len() as u64;
             self.running.push(s);
         }
@@ -408,7 +506,7 @@ impl Scheduler {
     pub fn step(&mut self, exec: &mut dyn Executor) -> usize {
         let t0 = Instant::now();
         self.reap(exec);
-        self.admit();
+        self.admit(exec);
         // Plan: decode tokens first, then prefill chunks in arrival order.
         let mut budget = self.cfg.step_tokens.max(1);
         let mut plan: Vec<(usize, usize, usize, bool)> = Vec::new(); // (running idx, from, len, logits)
@@ -420,7 +518,11 @@ impl Scheduler {
         }
         for (i, s) in self.running.iter().enumerate() {
             if s.pending.is_none() && s.fed < s.req.prompt.len() && budget > 0 {
-                let n = (s.req.prompt.len() - s.fed).min(budget);
+                let mut n = (s.req.prompt.len() - s.fed).min(budget);
+                // A chunk ends at the next cache point, so the snapshot holds just the prefix.
+                if let Some(&p) = s.cache_points.first() {
+                    n = n.min(p - s.fed);
+                }
                 budget -= n;
                 plan.push((i, s.fed, n, s.fed + n == s.req.prompt.len()));
             }
@@ -461,11 +563,16 @@ impl Scheduler {
         }
         // Apply the step to each sequence; collect the ones that finish.
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        let mut snapshots: Vec<(u64, usize, usize)> = Vec::new(); // (handle, running idx, tokens)
         let mut row = 0;
         for &(i, _, n, logits) in &plan {
             let s = &mut self.running[i];
             if s.pending.take().is_none() {
                 s.fed += n;
+                if s.cache_points.first() == Some(&s.fed) {
+                    s.cache_points.remove(0);
+                    snapshots.push((s.handle, i, s.fed));
+                }
             }
             if !logits {
                 continue;
@@ -475,6 +582,10 @@ impl Scheduler {
             if let Some(r) = s.sample_and_report(logits_row, self.ctx) {
                 done.push((i, r));
             }
+        }
+        for (handle, i, n) in snapshots {
+            let tokens = self.running[i].req.prompt[..n].to_vec();
+            self.snapshot(exec, handle, &tokens);
         }
         done.sort_unstable_by_key(|d| d.0);
         for &(i, reason) in done.iter().rev() {
@@ -772,7 +883,8 @@ mod tests {
         let exec = Fake::default();
         let m = model();
         let one = Scheduler::new(SchedulerConfig::default(), m.clone(), &exec).kv_bytes_for(20);
-        let cfg = SchedulerConfig { kv_budget: one + one / 2, max_queue: 2, max_seqs: 4, step_tokens: 64 };
+        let cfg =
+            SchedulerConfig { kv_budget: one + one / 2, max_queue: 2, max_seqs: 4, step_tokens: 64, prefix_cache: 0 };
         let mut exec = Fake::default();
         let mut sch = Scheduler::new(cfg, m, &exec);
         let logs: Vec<Log> = (0..3).map(|_| Log::default()).collect();

@@ -564,6 +564,37 @@ def test_json_mode_gives_json_objects(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
 
 
+def test_prefix_cache_reuses_earlier_turns_and_changes_nothing():
+    # A conversation's second turn starts from the KV kept after the first turn's prompt (up to
+    # its reply's role marker); greedy replies equal those of a server without the cache.
+    cached, plain = Server(), Server("--prefix-cache", "0")
+    try:
+        replies = {}
+        for name, s in (("cached", cached), ("plain", plain)):
+            msgs = [{"role": "system", "content": "You answer about files."},
+                    {"role": "user", "content": "What is a file handle?"}]
+            out = []
+            for turn in range(3):
+                r = s.client.chat.completions.create(model=s.model, messages=msgs, temperature=0, max_tokens=24,
+                                                     extra_body={"chat_template_kwargs": {"enable_thinking": turn != 1}})
+                out.append(r.choices[0].message.content)
+                msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": f"And question {turn}?"}]
+            replies[name] = out
+            m = s.metrics()
+            if s is cached:
+                assert m["spark_prefix_cache_hits_total"] >= 2, m
+                assert m["spark_prefix_cache_tokens_total"] >= 60, m
+                assert m["spark_prefix_cache_entries"] >= 2, m
+            else:
+                assert m["spark_prefix_cache_hits_total"] == 0, m
+            assert m["spark_kv_bytes_in_use"] == 0, m
+        assert replies["cached"] == replies["plain"]
+    finally:
+        cached.stop()
+        plain.stop()
+
+
 def test_stop_string_keeps_what_came_before_it(tmp_path):
     # A stop string inside a tool call: the call it cut short is still recovered (it was lost,
     # with its text, before session 30), streamed or not; the logprobs count every token.

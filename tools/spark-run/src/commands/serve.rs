@@ -24,6 +24,10 @@ pub struct ServeArgs {
     /// KV-cache budget for all running sequences (bytes, or with KiB/MiB/GiB, KB/MB/GB).
     #[arg(long, default_value = "512MiB")]
     pub kv_budget: String,
+    /// KV bytes kept for reuse by later requests that start with the same tokens (a
+    /// conversation's earlier turns, a shared system prompt); 0 turns the prefix cache off.
+    #[arg(long, default_value = "256MiB")]
+    pub prefix_cache: String,
     /// Most sequences decoded together.
     #[arg(long, default_value_t = 16)]
     pub max_seqs: usize,
@@ -70,6 +74,7 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
 
 pub fn run(a: ServeArgs) -> Result<()> {
     let kv_budget = parse_bytes(&a.kv_budget).map_err(|e| anyhow::anyhow!("--kv-budget: {e}"))?;
+    let prefix_cache = parse_bytes(&a.prefix_cache).map_err(|e| anyhow::anyhow!("--prefix-cache: {e}"))?;
     let body_limit = parse_bytes(&a.max_body).map_err(|e| anyhow::anyhow!("--max-body: {e}"))?;
     if a.max_seqs == 0 {
         bail!("--max-seqs must be at least 1");
@@ -95,6 +100,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             step_tokens: a.step_tokens,
             kv_budget,
             max_queue: a.max_queue,
+            prefix_cache,
         },
         body_limit,
         max_connections: a.max_connections,

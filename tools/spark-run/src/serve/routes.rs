@@ -118,6 +118,25 @@ async fn metrics(State(state): St) -> Response {
         "KV-cache bytes reserved by running sequences.",
         m.kv_reserved.to_string(),
     );
+    metric(
+        "spark_prefix_cache_bytes",
+        "gauge",
+        "KV-cache bytes kept by the prefix cache.",
+        m.prefix_cache_bytes.to_string(),
+    );
+    metric("spark_prefix_cache_entries", "gauge", "Prefixes kept.", m.prefix_cache_entries.to_string());
+    metric(
+        "spark_prefix_cache_hits_total",
+        "counter",
+        "Requests started from a kept prefix.",
+        m.prefix_cache_hits.to_string(),
+    );
+    metric(
+        "spark_prefix_cache_tokens_total",
+        "counter",
+        "Prompt tokens not prefilled thanks to the prefix cache.",
+        m.prefix_cache_tokens.to_string(),
+    );
     metric("spark_step_seconds_last", "gauge", "Duration of the last scheduler step.", m.last_step_seconds.to_string());
     s.push_str(&format!(
         "# HELP spark_step_seconds Scheduler step duration.\n# TYPE spark_step_seconds summary\nspark_step_seconds_sum {}\nspark_step_seconds_count {}\n",
@@ -579,6 +598,8 @@ struct Forcing {
     steer: Steer,
     /// Which tokens may come next (JSON mode).
     constraint: Option<Box<dyn Constraint>>,
+    /// Where the prompt's KV is worth keeping for later requests.
+    cache_at: Vec<usize>,
 }
 
 /// How a generation is presented.
@@ -693,7 +714,17 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         }
     }
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
-    let mut forcing = Forcing { script, prefix, steer, constraint: None };
+    // Keep the prompt's KV after the system block (shared by conversations with the same system
+    // prompt and tools) and after the reply's role marker (the next turn of this conversation
+    // renders the same tokens up to there).
+    let mut cache_at = vec![];
+    if let Some(eos) = special.eos {
+        cache_at.extend(prompt.iter().position(|&t| t == eos).map(|i| i + 1));
+    }
+    if let Some(bot) = special.bot {
+        cache_at.extend(prompt.iter().rposition(|&t| t == bot).map(|i| i + 1));
+    }
+    let mut forcing = Forcing { script, prefix, steer, constraint: None, cache_at };
     let max_calls = if f.bool("parallel_tool_calls")? == Some(false) { Some(1) } else { None };
     // JSON mode: the content is one JSON object (the reasoning before it is free).
     let json_mode = f.get("response_format").and_then(|v| v.get("type")).and_then(Value::as_str) == Some("json_object");
@@ -766,7 +797,10 @@ async fn completions_inner(state: Arc<AppState>, body: Result<Bytes, BytesReject
         }
     };
     let logprobs = f.uint("logprobs", 20)?.map(|n| n as usize);
-    let job = start(&state, prompt, &c, logprobs, Forcing::default(), Kind::Completion).await?;
+    // The whole prompt but its last token (which must be run for its logits): the same prompt
+    // again, or one that extends it, starts from there.
+    let forcing = Forcing { cache_at: vec![prompt.len().saturating_sub(1)], ..Forcing::default() };
+    let job = start(&state, prompt, &c, logprobs, forcing, Kind::Completion).await?;
     if c.stream {
         Ok(stream(job))
     } else {
@@ -816,6 +850,7 @@ async fn start(
         prefix: forcing.prefix,
         logit_bias: c.logit_bias.clone(),
         constraint: Constrain(forcing.constraint),
+        cache_at: forcing.cache_at,
     };
     let (handle, rx) = state.engine.submit(req, forcing.steer).await.map_err(submit_error)?;
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
