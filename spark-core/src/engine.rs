@@ -1,6 +1,15 @@
 //! The generation loop over any [`Executor`]: chunked prefill that reuses whatever prefix of the
 //! prompt is already cached, then token-by-token decoding with a [`Sampler`], stopping on EOS,
 //! stop ids, a token budget or the caller's say-so.
+//!
+//! With [`Session::keep_snapshot`] on, a session also keeps a copy of its KV at its last
+//! prompt's end minus one token (a caller that renders the next turn without the reasoning, as
+//! OpenAI-style clients do, renders the same tokens up to there, then differs: `<think>` became
+//! `</think>`). Off by default: `spark-run chat` keeps the generated tokens, reasoning included,
+//! as the next prompt's start, so its live cache is always reusable.
+//! When the live cache cannot be rewound to the next prompt's common prefix (a sliding layer's
+//! ring has overwritten what the rewind needs), prefill restarts from that copy instead of from
+//! the first token.
 
 use std::time::{Duration, Instant};
 
@@ -39,11 +48,21 @@ pub struct Session {
     cached: Vec<u32>,
     /// Prefill chunk size (bounds activation memory).
     pub chunk: usize,
+    /// Keep the copy described in the module docs (one more sequence's KV in the executor;
+    /// default off).
+    pub keep_snapshot: bool,
+    /// The tokens the copy (executor sequence [`snapshot_id`](Self::snapshot_id)) holds.
+    snapshot: Option<Vec<u32>>,
 }
 
 impl Session {
     pub fn new(seq_id: u64) -> Session {
-        Session { seq_id, cached: Vec::new(), chunk: 512 }
+        Session { seq_id, cached: Vec::new(), chunk: 512, keep_snapshot: false, snapshot: None }
+    }
+
+    /// The executor sequence id of the kept copy.
+    pub fn snapshot_id(&self) -> u64 {
+        self.seq_id ^ (1 << 62)
     }
 
     /// Tokens currently cached.
@@ -55,6 +74,22 @@ impl Session {
     pub fn reset(&mut self, exec: &mut dyn Executor) {
         exec.release(self.seq_id);
         self.cached.clear();
+        exec.release(self.snapshot_id());
+        self.snapshot = None;
+    }
+
+    /// Copy the live sequence (holding `prompt[..at]`) as the snapshot, unless it already is.
+    fn take_snapshot(&mut self, exec: &mut dyn Executor, prompt: &[u32], at: usize) {
+        if self.snapshot.as_deref() == Some(&prompt[..at]) {
+            return;
+        }
+        let id = self.snapshot_id();
+        self.snapshot = None;
+        if exec.fork(self.seq_id, id).is_ok() {
+            self.snapshot = Some(prompt[..at].to_vec());
+        } else {
+            exec.release(id);
+        }
     }
 
     /// Make the cache hold exactly `prompt` and return the logits of its last token. The
@@ -73,8 +108,17 @@ impl Session {
         let mut logits = vec![0.0; vocab];
         let mut pos = start;
         let mut first = true;
+        // Where the snapshot is taken: the prompt but its last token.
+        let snap_at = prompt.len() - 1;
         while pos < prompt.len() {
-            let end = (pos + self.chunk).min(prompt.len());
+            // Only when the live sequence holds exactly `prompt[..pos]` (not yet rewound).
+            if self.keep_snapshot && pos == snap_at && snap_at > 0 && exec.seq_len(self.seq_id) == Some(pos) {
+                self.take_snapshot(exec, prompt, snap_at);
+            }
+            let mut end = (pos + self.chunk).min(prompt.len());
+            if self.keep_snapshot && pos < snap_at {
+                end = end.min(snap_at);
+            }
             let last = end == prompt.len();
             let step = SeqStep {
                 seq_id: self.seq_id,
@@ -87,10 +131,23 @@ impl Session {
                 Err(e)
                     if first && pos > 0 && e.kind == ErrorKind::InvalidInput && e.message.contains("cannot rewind") =>
                 {
-                    // The sliding window already dropped what a rewind needs: start over.
+                    // The sliding window already dropped what a rewind needs: start again from the
+                    // snapshot when the prompt begins with it, else from the first token.
                     exec.release(self.seq_id);
                     self.cached.clear();
                     pos = 0;
+                    start = 0;
+                    if let Some(snap) =
+                        self.snapshot.as_ref().filter(|s| s.len() < prompt.len() && prompt.starts_with(s))
+                    {
+                        if exec.fork(self.snapshot_id(), self.seq_id).is_ok() {
+                            pos = snap.len();
+                            start = pos;
+                            self.cached = snap.clone();
+                        } else {
+                            exec.release(self.seq_id);
+                        }
+                    }
                     continue;
                 }
                 Err(e) => {
