@@ -3,6 +3,8 @@
 //! - [`Constraint`]: the hook the scheduler consults before it accepts a sampled token.
 //! - [`JsonObject`]: JSON mode (OpenAI `response_format: {"type": "json_object"}`): the output
 //!   (after the reasoning, when thinking is on) is one JSON object, then end-of-sequence.
+//! - [`EndAfter`]: end-of-sequence refused until a given token has come (a tool call that
+//!   `tool_choice` requires: the reply may not end before its `</tool_call>`).
 //!
 //! A constraint judges tokens by their bytes ([`crate::tokenizer::Tokenizer::token_bytes`]), so
 //! a UTF-8 character split over tokens is fine; the JSON checker is a byte-level pushdown
@@ -78,6 +80,29 @@ impl Constraint for JsonObject {
                 self.json.push(c);
             }
         }
+    }
+}
+
+/// Refuses the `end` tokens until `after` has been generated; everything else is allowed.
+pub struct EndAfter {
+    end: Vec<u32>,
+    after: u32,
+    seen: bool,
+}
+
+impl EndAfter {
+    pub fn new(end: Vec<u32>, after: u32) -> EndAfter {
+        EndAfter { end, after, seen: false }
+    }
+}
+
+impl Constraint for EndAfter {
+    fn allows(&self, token: u32) -> bool {
+        self.seen || !self.end.contains(&token)
+    }
+
+    fn advance(&mut self, token: u32) {
+        self.seen |= token == self.after;
     }
 }
 
@@ -400,6 +425,16 @@ mod tests {
         assert_eq!(accepts(&format!("{{{}}}", " ".repeat(33))), None);
         assert_eq!(accepts("{\n\n\n}"), None);
         assert_eq!(accepts(&format!("{{\"{}\": 1}}", " ".repeat(100))), Some(true));
+    }
+
+    #[test]
+    fn end_after() {
+        let mut c = EndAfter::new(vec![1], 9);
+        assert!(!c.allows(1) && c.allows(2) && c.allows(9));
+        c.advance(2);
+        assert!(!c.allows(1));
+        c.advance(9);
+        assert!(c.allows(1));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use spark_core::chat::toolcall::{Delta, ToolCall, ToolSpec};
-use spark_core::constraint::{Constraint, JsonObject};
+use spark_core::constraint::{Constraint, EndAfter, JsonObject};
 use spark_core::sample::SamplingParams;
 use spark_core::scheduler::{Constrain, Event, FinishReason, Request, SubmitError};
 use tokio::sync::mpsc;
@@ -691,6 +691,7 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     // A required call: its start is forced where the content would begin (after `</think>`,
     // or first when thinking is off). A scripted reply (test hook) is left as scripted.
     let mut prefix = vec![];
+    let mut required_call = None;
     let forced = match &choice {
         ToolChoice::Auto => None,
         ToolChoice::Required => Some("<tool_call>".to_string()),
@@ -712,6 +713,10 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         } else {
             prefix = ids;
         }
+        // The reply may not end (inside its reasoning, or inside the call) before the call closes.
+        if let Some(close) = special.end_tool_call {
+            required_call = Some(Box::new(EndAfter::new(state.eos.clone(), close)) as Box<dyn Constraint>);
+        }
     }
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
     // Keep the prompt's KV after the system block (shared by conversations with the same system
@@ -724,7 +729,7 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     if let Some(bot) = special.bot {
         cache_at.extend(prompt.iter().rposition(|&t| t == bot).map(|i| i + 1));
     }
-    let mut forcing = Forcing { script, prefix, steer, constraint: None, cache_at };
+    let mut forcing = Forcing { script, prefix, steer, constraint: required_call, cache_at };
     let max_calls = if f.bool("parallel_tool_calls")? == Some(false) { Some(1) } else { None };
     // JSON mode: the content is one JSON object (the reasoning before it is free).
     let json_mode = f.get("response_format").and_then(|v| v.get("type")).and_then(Value::as_str) == Some("json_object");
