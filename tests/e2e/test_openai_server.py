@@ -110,6 +110,13 @@ def server():
     s.stop()
 
 
+def scripted_server(tmp_path, replies):
+    """A server whose chat replies are `replies`, in turn (the --scripted-reply test hook)."""
+    f = tmp_path / "script.txt"
+    f.write_text("\n---\n".join(replies))
+    return Server("--scripted-reply", str(f))
+
+
 @pytest.fixture()
 def scripted(tmp_path):
     f = tmp_path / "script.txt"
@@ -466,9 +473,7 @@ def test_tool_choice_required_and_named_force_the_call(server):
 def test_parallel_tool_calls_false_ends_with_the_first_call(tmp_path):
     two = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value></tool_call>"
            "<tool_call>tap<arg_key>index</arg_key><arg_value>1</arg_value></tool_call>")
-    f = tmp_path / "script.txt"
-    f.write_text("\n---\n".join(["Two calls.</think>" + two] * 3))
-    s = Server("--scripted-reply", str(f))
+    s = scripted_server(tmp_path, ["Two calls.</think>" + two] * 3)
     try:
         args = dict(model=s.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
         r = s.client.chat.completions.create(**args)
@@ -599,9 +604,7 @@ def test_stop_string_keeps_what_came_before_it(tmp_path):
     # A stop string inside a tool call: the call it cut short is still recovered (it was lost,
     # with its text, before session 30), streamed or not; the logprobs count every token.
     call = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value></tool_call>"
-    f = tmp_path / "script.txt"
-    f.write_text("\n---\n".join(["Sure.</think>" + call] * 2 + ["Sure.</think>It is sunny in Hefei today. STOP more"]))
-    s = Server("--scripted-reply", str(f))
+    s = scripted_server(tmp_path, ["Sure.</think>" + call] * 2 + ["Sure.</think>It is sunny in Hefei today. STOP more"])
     try:
         args = dict(model=s.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
         r = s.client.chat.completions.create(stop=["</arg_value>"], logprobs=True, **args)
@@ -628,9 +631,7 @@ def test_a_call_cut_off_by_max_tokens_is_not_a_call(tmp_path):
     # arguments is returned; its text is the content, finish_reason "length", and the
     # recovery notes say why. Streamed the same.
     call = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
-    f = tmp_path / "script.txt"
-    f.write_text("\n---\n".join(["Sure.</think>" + call] * 3))
-    s = Server("--scripted-reply", str(f))
+    s = scripted_server(tmp_path, ["Sure.</think>" + call] * 3)
     try:
         args = dict(model=s.model, messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS)
         full = s.client.chat.completions.create(**args)

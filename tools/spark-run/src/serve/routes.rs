@@ -90,54 +90,28 @@ async fn models(State(state): St) -> Response {
 async fn metrics(State(state): St) -> Response {
     let m = state.engine.metrics();
     let mut s = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, v: String| {
+    // (name, type, help, value), one line each.
+    #[rustfmt::skip]
+    let metrics: [(&str, &str, &str, String); 15] = [
+        ("spark_requests_total", "counter", "Generation requests accepted.", m.requests_submitted.to_string()),
+        ("spark_requests_rejected_total", "counter", "Requests rejected by admission.", m.requests_rejected.to_string()),
+        ("spark_requests_finished_total", "counter", "Requests ended.", m.requests_finished.to_string()),
+        ("spark_requests_cancelled_total", "counter", "Requests cancelled or disconnected.", m.requests_cancelled.to_string()),
+        ("spark_prompt_tokens_total", "counter", "Prompt tokens admitted.", m.prompt_tokens.to_string()),
+        ("spark_generation_tokens_total", "counter", "Tokens generated.", m.completion_tokens.to_string()),
+        ("spark_queue_depth", "gauge", "Requests waiting.", m.queue_depth.to_string()),
+        ("spark_running_sequences", "gauge", "Sequences running.", m.running.to_string()),
+        ("spark_kv_bytes_in_use", "gauge", "KV-cache bytes held for requests.", m.kv_in_use.to_string()),
+        ("spark_kv_bytes_reserved", "gauge", "KV-cache bytes reserved by running sequences.", m.kv_reserved.to_string()),
+        ("spark_prefix_cache_bytes", "gauge", "KV-cache bytes kept by the prefix cache.", m.prefix_cache_bytes.to_string()),
+        ("spark_prefix_cache_entries", "gauge", "Prefixes kept.", m.prefix_cache_entries.to_string()),
+        ("spark_prefix_cache_hits_total", "counter", "Requests started from a kept prefix.", m.prefix_cache_hits.to_string()),
+        ("spark_prefix_cache_tokens_total", "counter", "Prompt tokens not prefilled thanks to the prefix cache.", m.prefix_cache_tokens.to_string()),
+        ("spark_step_seconds_last", "gauge", "Duration of the last scheduler step.", m.last_step_seconds.to_string()),
+    ];
+    for (name, kind, help, v) in metrics {
         s.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
-    };
-    metric("spark_requests_total", "counter", "Generation requests accepted.", m.requests_submitted.to_string());
-    metric(
-        "spark_requests_rejected_total",
-        "counter",
-        "Requests rejected by admission.",
-        m.requests_rejected.to_string(),
-    );
-    metric("spark_requests_finished_total", "counter", "Requests ended.", m.requests_finished.to_string());
-    metric(
-        "spark_requests_cancelled_total",
-        "counter",
-        "Requests cancelled or disconnected.",
-        m.requests_cancelled.to_string(),
-    );
-    metric("spark_prompt_tokens_total", "counter", "Prompt tokens admitted.", m.prompt_tokens.to_string());
-    metric("spark_generation_tokens_total", "counter", "Tokens generated.", m.completion_tokens.to_string());
-    metric("spark_queue_depth", "gauge", "Requests waiting.", m.queue_depth.to_string());
-    metric("spark_running_sequences", "gauge", "Sequences running.", m.running.to_string());
-    metric("spark_kv_bytes_in_use", "gauge", "KV-cache bytes held by the executor.", m.kv_in_use.to_string());
-    metric(
-        "spark_kv_bytes_reserved",
-        "gauge",
-        "KV-cache bytes reserved by running sequences.",
-        m.kv_reserved.to_string(),
-    );
-    metric(
-        "spark_prefix_cache_bytes",
-        "gauge",
-        "KV-cache bytes kept by the prefix cache.",
-        m.prefix_cache_bytes.to_string(),
-    );
-    metric("spark_prefix_cache_entries", "gauge", "Prefixes kept.", m.prefix_cache_entries.to_string());
-    metric(
-        "spark_prefix_cache_hits_total",
-        "counter",
-        "Requests started from a kept prefix.",
-        m.prefix_cache_hits.to_string(),
-    );
-    metric(
-        "spark_prefix_cache_tokens_total",
-        "counter",
-        "Prompt tokens not prefilled thanks to the prefix cache.",
-        m.prefix_cache_tokens.to_string(),
-    );
-    metric("spark_step_seconds_last", "gauge", "Duration of the last scheduler step.", m.last_step_seconds.to_string());
+    }
     s.push_str(&format!(
         "# HELP spark_step_seconds Scheduler step duration.\n# TYPE spark_step_seconds summary\nspark_step_seconds_sum {}\nspark_step_seconds_count {}\n",
         m.step_seconds_total, m.steps
@@ -821,27 +795,22 @@ async fn start(
     forcing: Forcing,
     kind: Kind,
 ) -> Result<Job, ApiError> {
-    if prompt.len() >= state.ctx {
-        return Err(ApiError::invalid(
-            if matches!(kind, Kind::Chat { .. }) { "messages" } else { "prompt" },
-            format!(
-                "the prompt has {} tokens but the context holds {} (at least one token must be left to generate)",
-                prompt.len(),
-                state.ctx
-            ),
-        )
-        .with_code("context_length_exceeded"));
+    // The prompt must leave room to generate, in the context and in the KV budget.
+    let param = if matches!(kind, Kind::Chat { .. }) { "messages" } else { "prompt" };
+    let n = prompt.len();
+    if n >= state.ctx {
+        let msg = format!(
+            "the prompt has {n} tokens but the context holds {} (at least one token must be left to generate)",
+            state.ctx
+        );
+        return Err(ApiError::invalid(param, msg).with_code("context_length_exceeded"));
     }
-    if prompt.len() >= state.seq_tokens {
-        return Err(ApiError::invalid(
-            if matches!(kind, Kind::Chat { .. }) { "messages" } else { "prompt" },
-            format!(
-                "the prompt has {} tokens but the server's KV budget (--kv-budget) holds {} tokens per sequence",
-                prompt.len(),
-                state.seq_tokens
-            ),
-        )
-        .with_code("kv_budget_exceeded"));
+    if n >= state.seq_tokens {
+        let msg = format!(
+            "the prompt has {n} tokens but the server's KV budget (--kv-budget) holds {} tokens per sequence",
+            state.seq_tokens
+        );
+        return Err(ApiError::invalid(param, msg).with_code("kv_budget_exceeded"));
     }
     let prompt_tokens = prompt.len();
     let req = Request {
