@@ -345,10 +345,11 @@ fn avx2_level_holds_sub_scaled_int4_with_f16_sides() {
     assert!(!QMat::has_sub_scale_form(&int8) && QMat::for_level(&int8, QSimd::Avx2).sub_scales().is_none());
 }
 
-/// The VNNI level holds `spark-run quantize`'s int4 sides on grids (a byte per group for the
-/// scale and for the bias, a byte per super-block for each unit): every token count matches
-/// the f64 reference at every level, as the same matrix with f16 sides does, and 4.5625 bits
-/// are read per weight instead of 5. Sides off the grid (old
+/// The VNNI and AMX INT8 levels hold `spark-run quantize`'s int4 sides on grids (a byte per
+/// group for the scale and for the bias, a byte per super-block for each unit): every token
+/// count matches the f64 reference at every level, as the same matrix with f16 sides does, and
+/// 4.5625 bits are read per weight instead of 5. The AMX INT8 tiles read the same values as
+/// from f16 sides, so their outputs are those bits exactly. Sides off the grid (old
 /// checkpoints' biases, GGUF Q4_K) and partial super-blocks keep f16 / f32.
 #[test]
 fn vnni_level_holds_int4_sides_on_grids() {
@@ -411,6 +412,16 @@ fn vnni_level_holds_int4_sides_on_grids() {
                 pool.install(|| qmatmul(qs, &x, n, cols, &half, &mut b, DType::F32));
                 assert_matches_reference(&b, &want, &mag, || format!("f16 sides at {qs:?}, n={n}"));
             }
+            if qs == QSimd::AmxInt8 && n >= 3 {
+                // AMX INT8 tiles (3+ tokens, whole 16-row blocks; the 7 tail rows take the VNNI
+                // tiles): the grid values read 16 lanes at a time, in the f16 sides' arithmetic.
+                pool.install(|| qmatmul(qs, &x, n, cols, &half, &mut b, DType::F32));
+                for (t, (ra, rb)) in a.chunks(rows).zip(b.chunks(rows)).enumerate() {
+                    for r in 0..rows / 16 * 16 {
+                        assert_eq!(ra[r].to_bits(), rb[r].to_bits(), "AMX INT8 grid vs f16 sides, n={n} t={t} r={r}");
+                    }
+                }
+            }
         }
     }
     if QSimd::detect() < QSimd::Avx512Vnni {
@@ -428,10 +439,11 @@ fn vnni_level_holds_int4_sides_on_grids() {
     // A partial last super-block (cols not a multiple of 256): f16 sides.
     let qp = quantize("w", 5, 320, &vals[..5 * 320], QuantSpec::new(QFormat::I4, Some(32))).unwrap();
     assert!(QMat::for_level(&qp, QSimd::Avx512Vnni).scales().grid().is_none());
-    // Other levels never build grids.
-    for qs in [QSimd::Portable, QSimd::Avx2, QSimd::AmxInt8] {
+    // The portable and AVX2 levels never build grids; AMX INT8 does, as VNNI.
+    for qs in [QSimd::Portable, QSimd::Avx2] {
         assert!(QMat::for_level(&qt, qs).scales().grid().is_none(), "{qs:?}");
     }
+    assert!(QMat::for_level(&qt, QSimd::AmxInt8).scales().grid().is_some());
 }
 
 /// The AVX2 int4 prefill on panels ([`qprefill_avx2`]): int4 in groups of 32 with super-block
@@ -1235,7 +1247,7 @@ fn bench_decode_stream() {
     let w32: Vec<f32> = (0..m * k).map(|_| unit(&mut seed) * 0.05).collect();
     let q = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
     let qs = QSimd::detect();
-    // QBENCH_SIDES=f16: the sides as f16 whatever the level would hold (grids at VNNI).
+    // QBENCH_SIDES=f16: the sides as f16 whatever the level would hold (grids at VNNI, AMX INT8).
     let f16_sides = std::env::var("QBENCH_SIDES").is_ok_and(|v| v == "f16");
     let hold = || if f16_sides { QMat::with_sides(&q, true) } else { QMat::for_level(&q, qs) };
     let one = hold();

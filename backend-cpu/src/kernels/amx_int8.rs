@@ -36,7 +36,7 @@ use rayon::prelude::*;
 use spark_core::quant::QFormat;
 use spark_core::DType;
 
-use super::qmatmul::{Grid, QAct, QMat, ScaleMode, Side, QBLOCK, QCHUNK};
+use super::qmatmul::{Grid, QAct, QMat, ScaleMode, Side, QBLOCK, QCHUNK, SUPER_BLOCKS};
 use super::{Prefetcher, QSimd, SharedOut};
 
 /// The most tokens [`matmul`] takes. Beyond it the AMX BF16 kernel on dequantized tiles is
@@ -451,7 +451,6 @@ unsafe fn block16(
                 let loaded = match scales {
                     Side::F32(s) => _mm512_maskz_loadu_ps(sp.mask, s[at..].as_ptr()),
                     Side::F16(s) => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(sp.mask, s[at..].as_ptr().cast())),
-                    // Not built at this level (`QMat::for_level`); read value by value if given.
                     Side::Grid(g) => grid_lanes(g, at, sp.mask),
                 };
                 *v = _mm512_permutexvar_ps(idx, loaded);
@@ -484,20 +483,38 @@ unsafe fn block16(
     }
 }
 
-/// Values `at + l` of a [`Grid`] in the lanes `l` of `mask` (zero elsewhere).
+/// Values `at + l` of a [`Grid`] in the lanes `l` of `mask` (zero elsewhere): each lane's `k`
+/// times its super-block's `2^e`, the product [`Grid::get`] forms (exact, the same bits).
 ///
 /// # Safety
-/// AVX-512F.
-#[target_feature(enable = "avx512f")]
+/// AVX-512F/BW/VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn grid_lanes(g: &Grid, at: usize, mask: __mmask16) -> __m512 {
-    let mut t = [0.0f32; 16];
-    for (l, v) in t.iter_mut().enumerate() {
-        if mask >> l & 1 == 1 {
-            *v = g.get(at + l);
-        }
+    if mask == 0 {
+        return _mm512_setzero_ps();
     }
-    _mm512_loadu_ps(t.as_ptr())
+    // The last lane read, and the super-blocks the lanes span (at most three for 16 lanes).
+    let last = at + 15 - mask.leading_zeros() as usize;
+    assert!(last < g.k.len(), "amx int8 grid lanes: {last} past {} values", g.k.len());
+    // `ng` is a multiple of SUPER_BLOCKS, so value i's super-block exponent is exp[i / 8].
+    let (e0, e1) = (at / SUPER_BLOCKS, last / SUPER_BLOCKS);
+    // SAFETY: the masked loads read only lanes of `mask` (all below `last`, checked above) and
+    // exponents e0..=e1 (e1 < exp.len() since last < k.len()); masked lanes do not fault.
+    let kb = _mm_maskz_loadu_epi8(mask, g.k.as_ptr().add(at).cast());
+    let k = if g.signed { _mm512_cvtepi8_epi32(kb) } else { _mm512_cvtepu8_epi32(kb) };
+    let emask = ((1u32 << (e1 - e0 + 1)) - 1) as __mmask16;
+    let ev = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(emask, g.exp.as_ptr().add(e0).cast()));
+    let lane = _mm512_add_epi32(
+        _mm512_set1_epi32((at % SUPER_BLOCKS) as i32),
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+    );
+    let e = _mm512_permutexvar_epi32(_mm512_srli_epi32::<3>(lane), ev);
+    // 2^e as Grid::unit builds it: the biased exponent in the float's exponent field.
+    let unit = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(e, _mm512_set1_epi32(127))));
+    _mm512_mul_ps(_mm512_cvtepi32_ps(k), unit)
 }
+
+const _: () = assert!(SUPER_BLOCKS == 8, "grid_lanes finds a lane's super-block by a shift of 3");
 
 /// `sum_i b[at + i] * a[i]` for `i < n` on 16-lane vectors (the bias term).
 ///

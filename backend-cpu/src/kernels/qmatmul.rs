@@ -506,12 +506,12 @@ impl QMat {
     /// are then held as f16 when that is exact (every value an f16 value, as
     /// [`QTensor::half_sides`] tests: our own files, whose sides are f16): a decode step reads
     /// 4.875 bits per weight instead of 6, with results bit for bit those of f32 sides.
-    /// Otherwise (GGUF Q4_K's products `d * sc`) they stay f32: 5.375 bits. At the VNNI level
-    /// (not AMX) int4 whose scales and biases lie on power-of-two grids holds them as
-    /// [`Grid`]s ([`QMat::with_grid_sides`]).
+    /// Otherwise (GGUF Q4_K's products `d * sc`) they stay f32: 5.375 bits. From the VNNI level
+    /// up ([`QMat::grid_sides_at`]) int4 whose scales and biases lie on power-of-two grids holds
+    /// them as [`Grid`]s ([`QMat::with_grid_sides`]).
     pub fn for_level(q: &QTensor, qs: QSimd) -> QMat {
         let m = Self::with_sides(q, qs >= QSimd::Avx512Vnni);
-        if qs == QSimd::Avx512Vnni {
+        if Self::grid_sides_at(qs) {
             return m.with_grid_sides(q);
         }
         if qs != QSimd::Avx2 {
@@ -642,6 +642,13 @@ impl QMat {
         };
         (self.scales, self.bias) = (Side::Grid(Box::new(scales)), bias);
         self
+    }
+
+    /// Whether level `qs` holds int4 sides on grids where they have that form: the VNNI level
+    /// and AMX INT8, whose int4 decode (1-2 tokens) is the VNNI grid tile and whose AMX INT8
+    /// tiles read the grids 16 values at a time (`amx_int8::grid_lanes`).
+    pub fn grid_sides_at(qs: QSimd) -> bool {
+        qs >= QSimd::Avx512Vnni
     }
 
     /// Whether [`QMat::with_grid_sides`] would hold `q`'s sides on grids, without repacking it.

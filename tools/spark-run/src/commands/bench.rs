@@ -342,7 +342,7 @@ fn argmax(v: &[f32]) -> usize {
 pub fn cpu_holding() -> Holding {
     use backend_cpu::kernels::{qmatmul::QMat, QSimd};
     let qs = QSimd::detect();
-    Holding { f16_sides: QMat::f16_sides_pay(), sub_scales: qs == QSimd::Avx2, grid_sides: qs == QSimd::Avx512Vnni }
+    Holding { f16_sides: QMat::f16_sides_pay(), sub_scales: qs == QSimd::Avx2, grid_sides: QMat::grid_sides_at(qs) }
 }
 
 #[cfg(not(feature = "cpu"))]
@@ -351,7 +351,7 @@ pub fn cpu_holding() -> Holding {
 }
 
 /// Whether the CPU backend would read `q`'s sides in a compact form: on grids (`grid`: its VNNI
-/// level) or through integer sub-scales (its AVX2 level).
+/// and AMX INT8 levels) or through integer sub-scales (its AVX2 level).
 #[cfg(feature = "cpu")]
 fn cpu_compact_form(q: &spark_core::quant::QTensor, grid: bool) -> bool {
     use backend_cpu::kernels::qmatmul::QMat;
@@ -628,7 +628,7 @@ mod tests {
     use backend_cpu::kernels::{qmatmul::QMat, QSimd};
     use spark_core::quant::{quantize, QFormat, QuantSpec};
 
-    /// The bytes counted for int4 read through sub-scales (AVX2 level) or on grids (VNNI level)
+    /// The bytes counted for int4 read through sub-scales (AVX2 level) or on grids (VNNI, AMX INT8)
     /// are what those levels hold and read of a matrix `spark-run quantize` writes.
     #[test]
     fn compact_side_bytes_are_what_the_levels_read() {
