@@ -582,8 +582,8 @@ fn act16(x: &[f32], n: usize, k: usize) -> Vec<f64> {
     v
 }
 
-/// The decode GEMV on 16-bit activations (`qdecode16`: int8 per row, 1-4 tokens) at the AVX2
-/// and VNNI levels this CPU has: against the f64 reference on the same 16-bit activations
+/// The decode GEMV on 16-bit activations (`qdecode16`: int8 per row, 1-4 tokens) at the AVX2,
+/// VNNI and AMX INT8 levels this CPU has: against the f64 reference on the same 16-bit activations
 /// ([`act16`]) on odd shapes (a partial activation span, partial row tiles, column padding), f32
 /// and f16 row scales, 1 and 2 threads; `qmatmul` takes it at those levels for those steps and
 /// not for 5 tokens (which stay on int8 activations: their reference is the W8A8 one).
@@ -594,7 +594,8 @@ fn int8_decode_on_16_bit_activations_matches_f64_reference() {
     let mut seed = 53u64;
     let pools: Vec<_> =
         [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
-    let levels: Vec<QSimd> = levels().into_iter().filter(|&q| matches!(q, QSimd::Avx2 | QSimd::Avx512Vnni)).collect();
+    let levels: Vec<QSimd> =
+        levels().into_iter().filter(|&q| matches!(q, QSimd::Avx2 | QSimd::Avx512Vnni | QSimd::AmxInt8)).collect();
     for &qs in &levels {
         for &(rows, cols) in &[(5usize, 64usize), (37, 320), (21, 2112), (64, 2048), (6, 112), (3, 256)] {
             for half in [false, true] {
@@ -634,7 +635,7 @@ fn int8_decode_on_16_bit_activations_matches_f64_reference() {
         let int4 = QMat::for_level(&random_q(8, 256, QFormat::I4, 256, false, true, &mut seed), qs);
         assert!(!qdecode16::takes(qs, &int4, 1));
     }
-    assert!(!levels.is_empty() || QSimd::detect() < QSimd::Avx2, "AVX2 or VNNI present but not tested");
+    assert!(!levels.is_empty() || QSimd::detect() < QSimd::Avx2, "AVX2, VNNI or AMX INT8 present but not tested");
 }
 
 /// The int8 prefill panels (`qpanels16_avx2`) carry a non-finite activation into NaN outputs

@@ -36,11 +36,11 @@ pub const MAX_TOKENS: usize = 4;
 /// Most rows per tile.
 const R: usize = 4;
 
-/// Whether [`matmul`] takes `n` tokens through `w` at level `qs`: the AVX2 or VNNI level (not
-/// AMX, whose tiles take int8 decode), int8 with one scale per row and no bias, at most
-/// [`MAX_TOKENS`] tokens.
+/// Whether [`matmul`] takes `n` tokens through `w` at level `qs`: the AVX2, VNNI or AMX INT8
+/// level (at AMX INT8 the VNNI tile: AMX INT8 tiles would quantize the activations to int8),
+/// int8 with one scale per row and no bias, at most [`MAX_TOKENS`] tokens.
 pub fn takes(qs: QSimd, w: &QMat, n: usize) -> bool {
-    matches!(qs, QSimd::Avx2 | QSimd::Avx512Vnni)
+    matches!(qs, QSimd::Avx2 | QSimd::Avx512Vnni | QSimd::AmxInt8)
         && w.format == QFormat::I8
         && w.mode == ScaleMode::Row
         && w.bias().is_none()
@@ -53,7 +53,7 @@ pub fn takes(qs: QSimd, w: &QMat, n: usize) -> bool {
 /// If the CPU lacks level `qs`, [`takes`] is false, or the sizes do not match.
 pub fn matmul(qs: QSimd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     assert!(QSimd::detect() >= qs, "qdecode16: this CPU has no {qs:?}");
-    assert!(takes(qs, w, n), "qdecode16: int8 per row, at most {MAX_TOKENS} tokens, AVX2 or VNNI");
+    assert!(takes(qs, w, n), "qdecode16: int8 per row, at most {MAX_TOKENS} tokens, AVX2, VNNI or AMX INT8");
     let m = w.rows;
     assert_eq!(k, w.cols, "qdecode16: columns");
     assert_eq!(x.len(), n * k, "qdecode16: x has the wrong size");
