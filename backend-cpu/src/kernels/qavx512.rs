@@ -12,7 +12,9 @@
 //! `-zero *` the activations' 4-column sums instead of 0; except on int4 with grid sides
 //! (`spark-run quantize`'s int4, the decode path), where it comes off in f32 with the bias
 //! term, once per super-block and row (`sum_g (bias_g - 8 scale_g) A_g`), and the scale
-//! products are formed once per super-block too: a third fewer operations per chunk. Int6
+//! products are formed once per super-block too: a third fewer operations per chunk. Int4 and
+//! int6 with f16 or f32 scales per 32-block on whole super-blocks form their scale products
+//! once per super-block as well (`PairSuper`; the zero point stays in `vpdpbusd`'s start). Int6
 //! chunks are unpacked to `0..=63` in column order (`I6`: two broadcast loads, a shift, a
 //! rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F, AVX-512BW
 //! and AVX-512 VNNI (and F16C, for f16 scales).
@@ -167,6 +169,10 @@ trait Scale {
     const ROW: bool = false;
     /// Scales and biases on [`Grid`]s ([`GridPair`]: the tile reads them itself, `sv` unused).
     const GRID: bool = false;
+    /// One scale per 32-block, whole super-blocks ([`PairSuper`]): the tile forms a super-block's
+    /// eight `weight scale * activation scale` products once per row, as with grids (`sv`
+    /// unused); the zero point and biases come off as with [`Pair`].
+    const SUPER: bool = false;
     /// Whether `sv` gathers several scales per chunk (extra registers).
     const WIDE_SCALES: bool = false;
     unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512;
@@ -242,6 +248,21 @@ impl Scale for Quad {
     }
 }
 
+/// [`Pair`] on whole super-blocks (`ng` a multiple of 8, `kp = 32 ng`): the products of a
+/// super-block's eight scales with the activation scales are formed once per row and spread
+/// to a chunk's lanes with one permute, instead of loading, converting and multiplying two
+/// scales per row and chunk.
+struct PairSuper;
+
+impl Scale for PairSuper {
+    const SUPER: bool = true;
+    const WIDE_SCALES: bool = true;
+    #[inline(always)]
+    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
+        _mm512_setzero_ps()
+    }
+}
+
 /// One scale per 32-block from a [`Grid`] (`spark-run quantize`'s int4 at the VNNI level):
 /// the tile converts a super-block's eight `k` once per row (`k * 2^e`, exactly the f16 scales'
 /// values), multiplies them by the activation scales and spreads a chunk's two products with
@@ -295,7 +316,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     // scales per row, a line's worth over the four rows; stepped per chunk they cost about as
     // much as the arithmetic in an L2-resident GEMV).
     const SIDE_STEP: usize = SUPER_BLOCKS / 2;
-    let per = if S::GRID { SIDE_STEP } else { 1 };
+    let per = if S::GRID || S::SUPER { SIDE_STEP } else { 1 };
     let [ps, pb] = a.side_prefetchers(R, nc.div_ceil(SIDE_STEP));
     let [pe, pbe] = if S::GRID {
         a.grid_prefetchers(R, nc / SIDE_STEP)
@@ -343,6 +364,18 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                     acc[r][t] = _mm512_fmadd_ps(w8, a8[t], acc[r][t]);
                 }
             }
+        } else if S::SUPER {
+            let g0 = c0 / per * SUPER_BLOCKS;
+            let mut d8 = [_mm256_setzero_ps(); T];
+            for t in 0..T {
+                d8[t] = F::block_act_scales(_mm256_loadu_ps(a.d.add(t * nb + g0)));
+            }
+            for r in 0..R {
+                let s8 = E::load8(a.s.cast::<E>().add(r * a.ng + g0));
+                for t in 0..T {
+                    sd[r][t] = _mm512_castps256_ps512(_mm256_mul_ps(s8, d8[t]));
+                }
+            }
         }
         for j in 0..per {
             let c = c0 + j;
@@ -353,18 +386,18 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             }
             let mut wv = [_mm512_setzero_si512(); R];
             let mut sv = [_mm512_setzero_ps(); R];
-            // With grids, this chunk's two blocks: lanes 0-7 from product `2j`, 8-15 from
-            // `2j + 1`.
+            // With grids or whole super-blocks, this chunk's two blocks: lanes 0-7 from product
+            // `2j`, 8-15 from `2j + 1`.
             let idx = _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32));
             for r in 0..R {
                 wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
-                if !S::ROW && !S::GRID {
+                if !S::ROW && !S::GRID && !S::SUPER {
                     sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
                 }
             }
             for t in 0..T {
                 let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
-                let dv = if S::GRID {
+                let dv = if S::GRID || S::SUPER {
                     _mm512_setzero_ps()
                 } else {
                     let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
@@ -378,7 +411,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                 };
                 for r in 0..R {
                     let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
-                    let scale = if S::GRID {
+                    let scale = if S::GRID || S::SUPER {
                         _mm512_permutexvar_ps(idx, sd[r][t])
                     } else if S::ROW {
                         dv
@@ -407,7 +440,8 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
 
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 rows x up to
 /// 4 tokens (3 for int4 with per-block scales); scales and biases on [`Grid`]s when `grid`
-/// (int4, [`ScaleMode::Pair`]), else f16 when `half`, else f32.
+/// (int4, [`ScaleMode::Pair`]), else f16 when `half`, else f32. Int4 and int6 with
+/// [`ScaleMode::Pair`] on whole super-blocks take [`PairSuper`].
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI and F16C; `args(r, t)` describes packed row `r` and token `t` of matching
@@ -438,7 +472,15 @@ pub(crate) unsafe fn rows_tokens<'a>(
         // The element type is unused: the grid tiles read their own sides.
         return run::<I4, GridPair, f32>(args, r0, r1, t0, nt, tmp, ld);
     }
+    // Pair on whole super-blocks: `ng` a multiple of 8 and a scale for each 32 columns of `kp`
+    // (so that a super-block's eight scales and activation scales are there to read).
+    let whole_super = mode == ScaleMode::Pair && r0 < r1 && nt > 0 && {
+        let a = args(r0, t0);
+        a.ng.is_multiple_of(SUPER_BLOCKS) && a.kp == a.ng * QBLOCK
+    };
     match (fmt, mode) {
+        (QFormat::I4, ScaleMode::Pair) if whole_super => go!(I4, PairSuper),
+        (QFormat::I6, ScaleMode::Pair) if whole_super => go!(I6, PairSuper),
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
         (QFormat::I4, ScaleMode::Row) => go!(I4, PerRow),
         (QFormat::I8, ScaleMode::Chunk) => go!(I8, Chunk),
