@@ -1238,7 +1238,8 @@ fn bench_decode_stream() {
         "int4" => spark_core::quant::QuantSpec::new(QFormat::I4, Some(32)),
         "int8" => spark_core::quant::QuantSpec::new(QFormat::I8, None),
         "int6" => spark_core::quant::QuantSpec::new(QFormat::I6, Some(32)),
-        other => panic!("QBENCH_FORMAT: int4, int6 or int8, not {other}"),
+        "int8g32" => spark_core::quant::QuantSpec::new(QFormat::I8, Some(32)),
+        other => panic!("QBENCH_FORMAT: int4, int6, int8 or int8g32, not {other}"),
     };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     let (m, k) = std::env::var("QBENCH_MK").map_or((2048, 2048), |v| {

@@ -441,7 +441,8 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 rows x up to
 /// 4 tokens (3 for int4 with per-block scales); scales and biases on [`Grid`]s when `grid`
 /// (int4, [`ScaleMode::Pair`]), else f16 when `half`, else f32. Int4 and int6 with
-/// [`ScaleMode::Pair`] on whole super-blocks take [`PairSuper`].
+/// [`ScaleMode::Pair`] on whole super-blocks take [`PairSuper`], and so does int8 (GGUF Q8_0,
+/// `--to int8 --group 32`) at 1-3 tokens.
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI and F16C; `args(r, t)` describes packed row `r` and token `t` of matching
@@ -479,6 +480,8 @@ pub(crate) unsafe fn rows_tokens<'a>(
         a.ng.is_multiple_of(SUPER_BLOCKS) && a.kp == a.ng * QBLOCK
     };
     match (fmt, mode) {
+        // Int8 from 4 tokens keeps its 4 x 4 tiles (`PairSuper` runs 4 x 3 there).
+        (QFormat::I8, ScaleMode::Pair) if whole_super && nt < 4 => go!(I8, PairSuper),
         (QFormat::I4, ScaleMode::Pair) if whole_super => go!(I4, PairSuper),
         (QFormat::I6, ScaleMode::Pair) if whole_super => go!(I6, PairSuper),
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
@@ -520,7 +523,8 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
         let mut t = 0;
         while t < nt {
             // Per-block scales with unpacked int4 run out of registers at 4 x 4: use 4 x 3.
-            let tt = (nt - t).min(if S::WIDE_SCALES && F::UNPACK { 3 } else { 4 });
+            // So do int8's with scale products per super-block (`PairSuper`).
+            let tt = (nt - t).min(if S::WIDE_SCALES && (F::UNPACK || S::SUPER) { 3 } else { 4 });
             let mut a = args(r, t0 + t);
             if t + tt >= nt {
                 // The last token tile over these rows: fetch the rows ahead meanwhile.
