@@ -167,15 +167,20 @@ const I4_LANE_SCALE: Floats = Floats {
 trait Scale {
     /// One scale for the whole row, applied after the sum (`sv` is then unused).
     const ROW: bool = false;
-    /// Scales and biases on [`Grid`]s ([`GridPair`]: the tile reads them itself, `sv` unused).
+    /// Scales and biases on [`Grid`]s ([`GridPair`]: the tile reads them itself, and takes the
+    /// zero point off with the bias term in f32). Implies [`Scale::SUPER`].
     const GRID: bool = false;
-    /// One scale per 32-block, whole super-blocks ([`PairSuper`]): the tile forms a super-block's
-    /// eight `weight scale * activation scale` products once per row, as with grids (`sv`
-    /// unused); the zero point and biases come off as with [`Pair`].
+    /// One scale per 32-block on whole super-blocks ([`PairSuper`], [`GridPair`]): the tile
+    /// forms a super-block's eight `weight scale * activation scale` products once per row and
+    /// spreads a chunk's two with one permute (`sv` unused).
     const SUPER: bool = false;
     /// Whether `sv` gathers several scales per chunk (extra registers).
     const WIDE_SCALES: bool = false;
-    unsafe fn sv<E: SideEl>(s: *const E, sidx: *const u32, c: usize) -> __m512;
+    /// A chunk's 16 lanes of weight scales; unused (zero) with [`Scale::ROW`] or [`Scale::SUPER`].
+    #[inline(always)]
+    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
+        _mm512_setzero_ps()
+    }
 }
 
 /// One scale per row.
@@ -183,10 +188,6 @@ struct PerRow;
 
 impl Scale for PerRow {
     const ROW: bool = true;
-    #[inline(always)]
-    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
-        _mm512_setzero_ps()
-    }
 }
 
 /// One scale per chunk (`group % 64 == 0`).
@@ -257,10 +258,6 @@ struct PairSuper;
 impl Scale for PairSuper {
     const SUPER: bool = true;
     const WIDE_SCALES: bool = true;
-    #[inline(always)]
-    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
-        _mm512_setzero_ps()
-    }
 }
 
 /// One scale per 32-block from a [`Grid`] (`spark-run quantize`'s int4 at the VNNI level):
@@ -271,11 +268,8 @@ struct GridPair;
 
 impl Scale for GridPair {
     const GRID: bool = true;
+    const SUPER: bool = true;
     const WIDE_SCALES: bool = true;
-    #[inline(always)]
-    unsafe fn sv<E: SideEl>(_s: *const E, _sidx: *const u32, _c: usize) -> __m512 {
-        _mm512_setzero_ps()
-    }
 }
 
 /// A super-block's eight scales or biases `k * 2^e` (from the row's `k` at `k`: unsigned
@@ -316,7 +310,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     // scales per row, a line's worth over the four rows; stepped per chunk they cost about as
     // much as the arithmetic in an L2-resident GEMV).
     const SIDE_STEP: usize = SUPER_BLOCKS / 2;
-    let per = if S::GRID || S::SUPER { SIDE_STEP } else { 1 };
+    let per = if S::SUPER { SIDE_STEP } else { 1 };
     let [ps, pb] = a.side_prefetchers(R, nc.div_ceil(SIDE_STEP));
     let [pe, pbe] = if S::GRID {
         a.grid_prefetchers(R, nc / SIDE_STEP)
@@ -391,13 +385,13 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             let idx = _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32));
             for r in 0..R {
                 wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
-                if !S::ROW && !S::GRID && !S::SUPER {
+                if !S::ROW && !S::SUPER {
                     sv[r] = S::sv(a.s.cast::<E>().add(r * a.ng), sidx, c);
                 }
             }
             for t in 0..T {
                 let q = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
-                let dv = if S::GRID || S::SUPER {
+                let dv = if S::SUPER {
                     _mm512_setzero_ps()
                 } else {
                     let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
@@ -411,7 +405,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                 };
                 for r in 0..R {
                     let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
-                    let scale = if S::GRID || S::SUPER {
+                    let scale = if S::SUPER {
                         _mm512_permutexvar_ps(idx, sd[r][t])
                     } else if S::ROW {
                         dv
