@@ -514,7 +514,7 @@ impl QMat {
         if Self::grid_sides_at(qs) {
             return m.with_grid_sides(q);
         }
-        if qs != QSimd::Avx2 {
+        if !Self::sub_scales_at(qs) {
             return m;
         }
         let mut m = m.with_sub_scales();
@@ -649,6 +649,12 @@ impl QMat {
     /// tiles read the grids 16 values at a time (`amx_int8::grid_lanes`).
     pub fn grid_sides_at(qs: QSimd) -> bool {
         qs >= QSimd::Avx512Vnni
+    }
+
+    /// Whether level `qs` holds int4 with integer sub-scales where it has that form
+    /// ([`QMat::with_sub_scales`]): the AVX2 level, whose super-block kernels read them.
+    pub fn sub_scales_at(qs: QSimd) -> bool {
+        qs == QSimd::Avx2
     }
 
     /// Whether [`QMat::with_grid_sides`] would hold `q`'s sides on grids, without repacking it.

@@ -342,7 +342,11 @@ fn argmax(v: &[f32]) -> usize {
 pub fn cpu_holding() -> Holding {
     use backend_cpu::kernels::{qmatmul::QMat, QSimd};
     let qs = QSimd::detect();
-    Holding { f16_sides: QMat::f16_sides_pay(), sub_scales: qs == QSimd::Avx2, grid_sides: QMat::grid_sides_at(qs) }
+    Holding {
+        f16_sides: QMat::f16_sides_pay(),
+        sub_scales: QMat::sub_scales_at(qs),
+        grid_sides: QMat::grid_sides_at(qs),
+    }
 }
 
 #[cfg(not(feature = "cpu"))]
