@@ -405,7 +405,7 @@ unsafe fn block16(
         }
         _ => Prefetcher::none(),
     };
-    let (ps, pb) = (side(Some(scales)), side(bias));
+    let (mut ps, mut pb) = (side(Some(scales)).cursor(), side(bias).cursor());
     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
     for p in 0..plan.periods {
         let s0 = p * g;
@@ -420,8 +420,8 @@ unsafe fn block16(
                     prefetch_rows(next.wrapping_add(off + ahead - stride), stride);
                 }
             }
-            ps.step(s);
-            pb.step(s);
+            ps.advance();
+            pb.advance();
             let (at, sa) = if i4 {
                 for r in 0..16 {
                     let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.add(r * stride + off).cast()));

@@ -189,11 +189,12 @@ pub unsafe fn gemv<E: Elem>(x: &[f32], w: &[E], k: usize, r0: usize, r1: usize, 
     while r + 4 <= r1 {
         let rows = [wp.add(r * k), wp.add((r + 1) * k), wp.add((r + 2) * k), wp.add((r + 3) * k)];
         // The next four rows (if inside the range) stream into L2 meanwhile.
-        let pf = Prefetcher::rows(wp as *const u8, k * size_of::<E>(), r + 4, (r1 - r - 4).min(4), body / 16);
+        let mut pf =
+            Prefetcher::rows(wp as *const u8, k * size_of::<E>(), r + 4, (r1 - r - 4).min(4), body / 16).cursor();
         let mut a = [_mm256_setzero_ps(); 8];
         let mut i = 0;
         while i < body {
-            pf.step(i / 16);
+            pf.advance();
             let x0 = _mm256_loadu_ps(xp.add(i));
             let x1 = _mm256_loadu_ps(xp.add(i + 8));
             for (j, rp) in rows.iter().enumerate() {
@@ -352,11 +353,12 @@ pub unsafe fn gemv_multi<E: Elem, const T: usize>(
         let nr = if r + 2 <= r1 { 2 } else { 1 };
         let rows = [wp.add(r * k), wp.add((r + nr - 1) * k)];
         // The next two rows stream into L2 meanwhile, as in [`gemv`].
-        let pf = Prefetcher::rows(wp as *const u8, k * size_of::<E>(), r + nr, (r1 - r - nr).min(2), body / 8);
+        let mut pf =
+            Prefetcher::rows(wp as *const u8, k * size_of::<E>(), r + nr, (r1 - r - nr).min(2), body / 8).cursor();
         let mut a = [[_mm256_setzero_ps(); T]; 2];
         let mut i = 0;
         while i < body {
-            pf.step(i / 8);
+            pf.advance();
             let w0 = E::load8(rows[0].add(i));
             let w1 = E::load8(rows[1].add(i));
             for t in 0..T {

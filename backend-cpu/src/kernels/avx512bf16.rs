@@ -159,8 +159,9 @@ unsafe fn tile<const R: usize, const T: usize>(a: &Tile) -> [[f32; T]; R] {
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let steps = a.k.div_ceil(KS);
     let full = a.k / KS;
+    let mut pf = a.pf.cursor();
     for s in 0..steps {
-        a.pf.step(s);
+        pf.advance();
         let mut wv = [_mm512_setzero_si512(); R];
         if s < full {
             for r in 0..R {

@@ -199,8 +199,9 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     let ones = _mm256_set1_epi16(1);
     let sidx = a.sidx.as_ptr();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let pf = a.prefetcher(R, nb / 2);
+    let mut pf = a.prefetcher(R, nb / 2).cursor();
     let [ps, pb] = a.side_prefetchers(R, nb / 2);
+    let (mut ps, mut pb) = (ps.cursor(), pb.cursor());
     let table = S::PAIR && R * T * nb <= PROD_CAP;
     let mut prod = [std::mem::MaybeUninit::<f32>::uninit(); PROD_CAP];
     let pp = prod.as_mut_ptr() as *mut f32;
@@ -254,9 +255,9 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
     // load, whose two blocks are its low and high nibbles (no per-block parity test), and the
     // prefetches step once per chunk.
     for c in 0..nb / 2 {
-        pf.step(c);
-        ps.step(c);
-        pb.step(c);
+        pf.advance();
+        ps.advance();
+        pb.advance();
         for h in 0..2 {
             let b = 2 * c + h;
             let mut wu = [_mm256_setzero_si256(); R];
@@ -328,16 +329,17 @@ unsafe fn sub_tile<F: Fmt, E: SideEl, const K: bool, const R: usize, const T: us
     let nsb = nb.div_ceil(SUPER_BLOCKS);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let pf = a.prefetcher(R, nb / 2);
+    let mut pf = a.prefetcher(R, nb / 2).cursor();
     // The scales and biases are read after the loop only.
     let [ps, pb] = a.side_prefetchers(R, nb / 2);
+    let (mut ps, mut pb) = (ps.cursor(), pb.cursor());
     for sb in 0..nsb {
         let (c0, c1) = (sb * SUPER_BLOCKS / 2, ((sb + 1) * SUPER_BLOCKS / 2).min(nb / 2));
         let mut iacc = [[_mm256_setzero_si256(); T]; R];
         for c in c0..c1 {
-            pf.step(c);
-            ps.step(c);
-            pb.step(c);
+            pf.advance();
+            ps.advance();
+            pb.advance();
             for h in 0..2 {
                 let b = 2 * c + h;
                 let mut wu = [_mm256_setzero_si256(); R];

@@ -139,12 +139,13 @@ struct Tile {
 #[allow(clippy::needless_range_loop)]
 unsafe fn tile_vnni<const RR: usize, const T: usize>(t: &Tile, pf: &Prefetcher) -> [[f32; T]; RR] {
     const STEP: usize = 32;
+    let mut pf = pf.cursor();
     let mut acc = [[_mm512_setzero_ps(); T]; RR];
     for s in 0..t.nspan {
         let (c0, c1) = (s * SPAN, ((s + 1) * SPAN).min(t.kp));
         let mut sums = [[_mm512_setzero_si512(); T]; RR];
         for c in (c0..c1).step_by(STEP) {
-            pf.step(c / STEP);
+            pf.advance();
             let mut wv = [_mm512_setzero_si512(); RR];
             for r in 0..RR {
                 wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(t.w.add(r * t.rb + c) as *const __m256i));
@@ -180,12 +181,13 @@ unsafe fn tile_vnni<const RR: usize, const T: usize>(t: &Tile, pf: &Prefetcher) 
 #[allow(clippy::needless_range_loop)]
 unsafe fn tile_avx2<const RR: usize, const T: usize>(t: &Tile, pf: &Prefetcher) -> [[f32; T]; RR] {
     const STEP: usize = 16;
+    let mut pf = pf.cursor();
     let mut acc = [[_mm256_setzero_ps(); T]; RR];
     for s in 0..t.nspan {
         let (c0, c1) = (s * SPAN, ((s + 1) * SPAN).min(t.kp));
         let mut sums = [[_mm256_setzero_si256(); T]; RR];
         for c in (c0..c1).step_by(STEP) {
-            pf.step(c / STEP);
+            pf.advance();
             let mut wv = [_mm256_setzero_si256(); RR];
             for r in 0..RR {
                 wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(t.w.add(r * t.rb + c) as *const __m128i));
