@@ -807,21 +807,11 @@ impl QMat {
     unsafe fn dequant_avx512<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
         use std::arch::x86_64::*;
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
-        let at = r * self.ng;
-        const SEG: usize = 64;
-        let (mut sbuf, mut bbuf, mut seg0) = ([0.0f32; SEG], [0.0f32; SEG], usize::MAX);
+        let mut sides = RowSides::new(self, r);
         let p = row.as_ptr();
         for (hi, o16) in out.chunks_exact_mut(16).enumerate() {
             let c = c0 + hi * 16;
-            let g = self.sidx[c / 16] as usize;
-            if !(seg0..seg0.saturating_add(SEG)).contains(&g) {
-                seg0 = g;
-                let len = SEG.min(self.ng - g);
-                self.scales.get_into(at + g, &mut sbuf[..len]);
-                if let Some(b) = &self.bias {
-                    b.get_into(at + g, &mut bbuf[..len]);
-                }
-            }
+            let (sg, bg) = sides.at(self.sidx[c / 16] as usize);
             // The 16 values minus the zero point, as `dequant_body` forms them, in i32 lanes.
             // SAFETY: `c + 16 <= cols <= kp` and the row holds `kp` values in this format's
             // layout (int4: 16 bytes from `base`; int6: 16 bytes from `j0` and the chunk's 16
@@ -846,7 +836,6 @@ impl QMat {
                 }
             };
             // `sg * q + bg`: a multiply, then an add (no FMA), as `dequant_body`.
-            let (sg, bg) = (sbuf[g - seg0], bbuf[g - seg0]);
             let v = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(sg), _mm512_cvtepi32_ps(q)), _mm512_set1_ps(bg));
             // With finite `sg` and `bg` no value is NaN (`|q| <= 128`).
             let finite = sg.is_finite() && bg.is_finite();
@@ -866,23 +855,10 @@ impl QMat {
     #[inline(always)]
     fn dequant_body<O: DequantOut>(&self, r: usize, c0: usize, out: &mut [O]) {
         let row = &self.packed()[r * self.row_bytes()..(r + 1) * self.row_bytes()];
-        let at = r * self.ng;
-        // The row's scales and biases as f32, `SEG` groups at a time (a per-value f16
-        // conversion per 16 columns cost more than the rest of the dequantization).
-        const SEG: usize = 64;
-        let (mut sbuf, mut bbuf, mut seg0) = ([0.0f32; SEG], [0.0f32; SEG], usize::MAX);
+        let mut sides = RowSides::new(self, r);
         for (hi, o16) in out.chunks_exact_mut(16).enumerate() {
             let c = c0 + hi * 16;
-            let g = self.sidx[c / 16] as usize;
-            if !(seg0..seg0.saturating_add(SEG)).contains(&g) {
-                seg0 = g;
-                let len = SEG.min(self.ng - g);
-                self.scales.get_into(at + g, &mut sbuf[..len]);
-                if let Some(b) = &self.bias {
-                    b.get_into(at + g, &mut bbuf[..len]);
-                }
-            }
-            let (sg, bg) = (sbuf[g - seg0], bbuf[g - seg0]);
+            let (sg, bg) = sides.at(self.sidx[c / 16] as usize);
             let mut q = [0.0f32; 16];
             match self.format {
                 QFormat::I8 => {
@@ -921,6 +897,41 @@ impl QMat {
             let g = r * self.ng + c / self.group;
             *o = s.get(g) * self.qval(r, c) as f32 + b.map_or(0.0, |b| b.get(g));
         }
+    }
+}
+
+/// One row's scales and biases as f32 for the dequantizing loops, [`RowSides::SEG`] groups at a
+/// time (a per-value f16 conversion per 16 columns cost more than the rest of the
+/// dequantization).
+struct RowSides<'a> {
+    w: &'a QMat,
+    /// The row's first group (`[rows, ng]` index).
+    at: usize,
+    s: [f32; RowSides::SEG],
+    b: [f32; RowSides::SEG],
+    /// The first group held (`usize::MAX`: none yet).
+    seg0: usize,
+}
+
+impl<'a> RowSides<'a> {
+    const SEG: usize = 64;
+
+    fn new(w: &'a QMat, r: usize) -> RowSides<'a> {
+        RowSides { w, at: r * w.ng, s: [0.0; Self::SEG], b: [0.0; Self::SEG], seg0: usize::MAX }
+    }
+
+    /// Group `g`'s scale and bias (0 without biases).
+    #[inline(always)]
+    fn at(&mut self, g: usize) -> (f32, f32) {
+        if !(self.seg0..self.seg0.saturating_add(Self::SEG)).contains(&g) {
+            self.seg0 = g;
+            let len = Self::SEG.min(self.w.ng - g);
+            self.w.scales.get_into(self.at + g, &mut self.s[..len]);
+            if let Some(b) = &self.w.bias {
+                b.get_into(self.at + g, &mut self.b[..len]);
+            }
+        }
+        (self.s[g - self.seg0], self.b[g - self.seg0])
     }
 }
 
