@@ -769,7 +769,7 @@ impl QMat {
     /// rounded to bf16 (bits). `c0` and the length are multiples of 16 within `cols`. The same
     /// operations at every SIMD level (a multiply, then an add, then the rounding), so the
     /// results are identical: the AVX-512 level runs them on 16 columns per instruction
-    /// (`dequant_avx512`: about 5 % of int4 pp512 on AMX, where the compiler's vectorization
+    /// (`dequant_avx512`: about 10 % of int4 pp512 on AMX, where the compiler's vectorization
     /// of the generic loop took 15 %), the AVX2 level lets the compiler vectorize the loop.
     pub fn dequant_bf16(&self, r: usize, c0: usize, out: &mut [u16]) {
         self.dequant_range(r, c0, out)
