@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use spark_core::chat::toolcall::{Delta, ToolCall, ToolSpec};
-use spark_core::constraint::{Constraint, EndAfter, JsonObject};
+use spark_core::constraint::{Constraint, EndAfter, Json as JsonConstraint, Schema};
 use spark_core::sample::SamplingParams;
 use spark_core::scheduler::{Constrain, Event, FinishReason, Request, SubmitError};
 use tokio::sync::mpsc;
@@ -171,12 +171,12 @@ fn refuse_unsupported(f: &Fields<'_>, chat: bool) -> Result<(), ApiError> {
     if let Some(v) = f.get("response_format").filter(|v| !v.is_null()) {
         let ok = match v.get("type").and_then(Value::as_str) {
             Some("text") => true,
-            Some("json_object") => chat,
+            Some("json_object" | "json_schema") => chat,
             _ => false,
         };
         if !ok {
             let what = if chat {
-                "{\"type\": \"text\"} or {\"type\": \"json_object\"} (JSON schemas are not enforced yet)"
+                "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}"
             } else {
                 "{\"type\": \"text\"}"
             };
@@ -705,13 +705,13 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     }
     let mut forcing = Forcing { script, prefix, steer, constraint: required_call, cache_at };
     let max_calls = if f.bool("parallel_tool_calls")? == Some(false) { Some(1) } else { None };
-    // JSON mode: the content is one JSON object (the reasoning before it is free).
-    let json_mode = f.get("response_format").and_then(|v| v.get("type")).and_then(Value::as_str) == Some("json_object");
-    if json_mode {
+    // JSON mode / structured output: the content is one JSON object, or one value of the given
+    // schema (the reasoning before it is free).
+    if let Some(schema) = json_output(&f)? {
         if !tools.is_empty() {
             return Err(ApiError::invalid(
                 "response_format",
-                "JSON mode cannot be combined with tools (a tool call is not a JSON object); drop `tools` or set `tool_choice: \"none\"`",
+                "JSON output cannot be combined with tools (a tool call is not JSON content); drop `tools` or set `tool_choice: \"none\"`",
             ));
         }
         if thinking && special.end_think.is_none() {
@@ -719,13 +719,52 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         }
         let start = if thinking { special.end_think } else { None };
         forcing.constraint =
-            Some(Box::new(JsonObject::new(state.token_bytes.clone(), state.eos.clone(), start)) as Box<dyn Constraint>);
+            Some(Box::new(JsonConstraint::new(state.token_bytes.clone(), state.eos.clone(), start, Arc::new(schema)))
+                as Box<dyn Constraint>);
     }
     let job = start(&state, prompt, &c, logprobs, forcing, Kind::Chat { tools, thinking, max_calls }).await?;
     if c.stream {
         Ok(stream(job))
     } else {
         collect(job).await
+    }
+}
+
+/// The schema `response_format` asks the content to follow: any object for `json_object`, the
+/// compiled `json_schema.schema` for `json_schema`, `None` for text. A schema that cannot be
+/// enforced is a 400 naming the keyword's path.
+fn json_output(f: &Fields<'_>) -> Result<Option<Schema>, ApiError> {
+    let Some(v) = f.get("response_format").filter(|v| !v.is_null()) else { return Ok(None) };
+    match v.get("type").and_then(Value::as_str) {
+        Some("json_object") => Ok(Some(Schema::any_object())),
+        Some("json_schema") => {
+            let bad = |m: String| ApiError::invalid("response_format", m);
+            let Some(js) = v.get("json_schema").and_then(Value::as_object) else {
+                return Err(bad("`response_format.json_schema` must be an object with `name` and `schema`".into()));
+            };
+            match js.get("name") {
+                Some(Value::String(n)) if !n.is_empty() && n.len() <= 64 => {}
+                Some(other) => {
+                    return Err(bad(format!(
+                        "`response_format.json_schema.name` must be a string of 1 to 64 characters, got {}",
+                        show(other)
+                    )))
+                }
+                None => return Err(bad("`response_format.json_schema.name` is required".into())),
+            }
+            if let Some(strict) = js.get("strict").filter(|s| !s.is_null() && !s.is_boolean()) {
+                return Err(bad(format!(
+                    "`response_format.json_schema.strict` must be a boolean, got {}",
+                    show(strict)
+                )));
+            }
+            // Without a schema OpenAI allows any JSON value; the content is then one JSON value.
+            let Some(schema) = js.get("schema") else { return Ok(Some(Schema::any())) };
+            Schema::compile(schema)
+                .map(Some)
+                .map_err(|e| bad(format!("`response_format.json_schema.schema` cannot be enforced: {e}")))
+        }
+        _ => Ok(None),
     }
 }
 

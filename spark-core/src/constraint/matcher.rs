@@ -1,0 +1,787 @@
+//! Byte-level matcher of a JSON text against a compiled [`Schema`].
+//!
+//! The matcher is a pushdown automaton run on bytes. Its state is a small set of *threads*
+//! (stacks of frames), since `anyOf` and literals that are prefixes of each other (`1` and `10`)
+//! leave more than one reading open; a thread dies when a byte cannot continue it, the matcher
+//! when all have. Every live thread can still be completed, except through schemas that can
+//! never finish (a required property whose schema recurses without end), which the compiler does
+//! not detect.
+//!
+//! Whitespace outside strings is bounded (a run of at most 32 bytes, 2 of them line breaks, and
+//! 4 before the value): unbounded, a model can fill its whole budget with newlines. Strings are
+//! not checked as UTF-8 (a character may be split over tokens); `minLength` / `maxLength` count
+//! UTF-8 lead bytes and escapes.
+
+use std::sync::Arc;
+
+use super::schema::{Node, NodeId, Schema, ANY_ARRAY, ANY_NUMBER, ANY_OBJECT, ANY_STRING, BOOL, NULL};
+
+const MAX_WS_RUN: u8 = 32;
+const MAX_BREAKS: u8 = 2;
+const MAX_LEADING_WS: u8 = 4;
+/// Most readings kept at once (more are dropped: fewer texts allowed, none wrongly).
+const MAX_THREADS: usize = 64;
+/// Most `anyOf` / `$ref` steps taken to start one value (a reference cycle that consumes no
+/// byte ends there).
+const MAX_EXPANSION: u32 = 32;
+
+fn is_ws(c: u8) -> bool {
+    matches!(c, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// Inside a string: plain, after `\`, or inside `\uXXXX` (hex digits left).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lex {
+    Plain,
+    Escape,
+    Unicode(u8),
+}
+
+/// What one string byte was.
+enum StrByte {
+    /// The closing quote.
+    Close,
+    /// Content; `new_char`: it starts a character (a UTF-8 lead byte, or `\`).
+    Content {
+        new_char: bool,
+    },
+    Bad,
+}
+
+impl Lex {
+    fn push(&mut self, c: u8) -> StrByte {
+        match *self {
+            Lex::Plain => match c {
+                b'"' => StrByte::Close,
+                b'\\' => {
+                    *self = Lex::Escape;
+                    StrByte::Content { new_char: true }
+                }
+                0..=0x1f => StrByte::Bad,
+                _ => StrByte::Content { new_char: !(0x80..=0xbf).contains(&c) },
+            },
+            Lex::Escape => {
+                *self = match c {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Lex::Plain,
+                    b'u' => Lex::Unicode(4),
+                    _ => return StrByte::Bad,
+                };
+                StrByte::Content { new_char: false }
+            }
+            Lex::Unicode(left) => {
+                if !c.is_ascii_hexdigit() {
+                    return StrByte::Bad;
+                }
+                *self = if left == 1 { Lex::Plain } else { Lex::Unicode(left - 1) };
+                StrByte::Content { new_char: false }
+            }
+        }
+    }
+}
+
+/// Where a number is (`-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Num {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    E,
+    ESign,
+    Exp,
+}
+
+impl Num {
+    /// Whether the number may end here.
+    fn complete(self) -> bool {
+        matches!(self, Num::Zero | Num::Int | Num::Frac | Num::Exp)
+    }
+
+    fn next(self, c: u8, integer: bool) -> Option<Num> {
+        Some(match (self, c) {
+            (Num::Minus, b'0') => Num::Zero,
+            (Num::Minus, b'1'..=b'9') | (Num::Int, b'0'..=b'9') => Num::Int,
+            (Num::Zero | Num::Int, b'.') if !integer => Num::Dot,
+            (Num::Dot | Num::Frac, b'0'..=b'9') => Num::Frac,
+            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Num::E,
+            (Num::E, b'+' | b'-') => Num::ESign,
+            (Num::E | Num::ESign | Num::Exp, b'0'..=b'9') => Num::Exp,
+            _ => return None,
+        })
+    }
+}
+
+/// An object's position: after `{`, after `,`, after a key (the property's index, `None` for
+/// an additional key), or after a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Obj {
+    First,
+    Key,
+    Colon(Option<u8>),
+    After,
+}
+
+/// An array's position: after `[`, after `,`, or after a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arr {
+    First,
+    Next,
+    After,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Frame {
+    /// A value of this node comes next (whitespace first allowed).
+    Value(NodeId),
+    /// Inside an object; `seen`: bit i, property i has been written.
+    Object {
+        node: NodeId,
+        seen: u64,
+        phase: Obj,
+    },
+    /// Inside an object key (on top of its object's frame): the bytes so far, as written.
+    Key {
+        buf: Vec<u8>,
+        lex: Lex,
+    },
+    /// Inside an array, `count` values in.
+    Array {
+        node: NodeId,
+        count: u32,
+        phase: Arr,
+    },
+    /// Inside a string, `chars` characters in.
+    Str {
+        node: NodeId,
+        chars: u32,
+        lex: Lex,
+    },
+    Number {
+        integer: bool,
+        at: Num,
+    },
+    /// Inside one of a node's literals: the bytes matched, and the literals still matching.
+    Literal {
+        node: NodeId,
+        pos: u32,
+        cands: Vec<u32>,
+    },
+}
+
+/// One reading of the text so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Thread {
+    stack: Vec<Frame>,
+    /// Whitespace bytes in a row outside strings, and line breaks among them.
+    ws: u8,
+    breaks: u8,
+}
+
+impl Thread {
+    /// Whether the text may end here.
+    fn can_end(&self) -> bool {
+        match self.stack.as_slice() {
+            [] => true,
+            [Frame::Number { at, .. }] => at.complete(),
+            _ => false,
+        }
+    }
+}
+
+/// Matches a JSON text, byte by byte, against a schema.
+#[derive(Debug, Clone)]
+pub struct JsonMatcher {
+    schema: Arc<Schema>,
+    threads: Vec<Thread>,
+}
+
+fn emit(out: &mut Vec<Thread>, t: Thread) {
+    if out.len() < MAX_THREADS && !out.contains(&t) {
+        out.push(t);
+    }
+}
+
+/// Bit mask of an object's first `n` properties.
+fn mask(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
+impl JsonMatcher {
+    pub fn new(schema: Arc<Schema>) -> JsonMatcher {
+        let root = schema.root;
+        JsonMatcher { schema, threads: vec![Thread { stack: vec![Frame::Value(root)], ws: 0, breaks: 0 }] }
+    }
+
+    /// Feed one byte; `false` when it cannot continue a text the schema allows (the matcher is
+    /// then dead and refuses everything).
+    pub fn push(&mut self, c: u8) -> bool {
+        let mut out = Vec::with_capacity(self.threads.len());
+        for t in std::mem::take(&mut self.threads) {
+            self.feed(t, c, &mut out);
+        }
+        self.threads = out;
+        !self.threads.is_empty()
+    }
+
+    /// Feed bytes; `false` as soon as one cannot continue.
+    pub fn push_all(&mut self, bytes: &[u8]) -> bool {
+        bytes.iter().all(|&c| self.push(c))
+    }
+
+    /// Whether the text so far is a complete value the schema allows.
+    pub fn can_end(&self) -> bool {
+        self.threads.iter().any(Thread::can_end)
+    }
+
+    /// Whether no more bytes can be taken (the value is complete and nothing may follow, or the
+    /// matcher is dead).
+    pub fn is_finished(&self) -> bool {
+        self.threads.iter().all(|t| t.stack.is_empty())
+    }
+
+    fn feed(&self, mut t: Thread, c: u8, out: &mut Vec<Thread>) {
+        if !matches!(t.stack.last(), Some(Frame::Str { .. } | Frame::Key { .. })) {
+            if is_ws(c) {
+                t.ws += 1;
+                t.breaks += u8::from(c == b'\n' || c == b'\r');
+                let leading = matches!(t.stack.as_slice(), [Frame::Value(_)]);
+                let limit = if leading { MAX_LEADING_WS } else { MAX_WS_RUN };
+                if t.ws > limit || t.breaks > MAX_BREAKS {
+                    return;
+                }
+            } else {
+                t.ws = 0;
+                t.breaks = 0;
+            }
+        }
+        self.dispatch(t, c, out, 0);
+    }
+
+    /// Give byte `c` to the thread's top frame.
+    fn dispatch(&self, mut t: Thread, c: u8, out: &mut Vec<Thread>, depth: u32) {
+        let nodes = &self.schema.nodes;
+        let Some(top) = t.stack.pop() else { return };
+        match top {
+            Frame::Value(n) => {
+                if is_ws(c) {
+                    t.stack.push(top);
+                    emit(out, t);
+                } else {
+                    self.start(t, n, c, out, depth);
+                }
+            }
+            Frame::Object { node, seen, phase } => {
+                let Node::Object { props, required, additional } = &nodes[node] else {
+                    unreachable!("an object frame is made for an object node")
+                };
+                let set = |phase| Frame::Object { node, seen, phase };
+                match (phase, c) {
+                    (_, c) if is_ws(c) => t.stack.push(set(phase)),
+                    (Obj::First | Obj::After, b'}') => {
+                        if required & !seen != 0 {
+                            return;
+                        }
+                    }
+                    (Obj::First | Obj::Key, b'"') => {
+                        t.stack.push(set(phase));
+                        t.stack.push(Frame::Key { buf: vec![], lex: Lex::Plain });
+                    }
+                    (Obj::Colon(p), b':') => {
+                        let child = match p {
+                            Some(i) => props[i as usize].1,
+                            None => additional.expect("an additional key is read only where one is allowed"),
+                        };
+                        t.stack.push(set(Obj::After));
+                        t.stack.push(Frame::Value(child));
+                    }
+                    (Obj::After, b',') => {
+                        // A comma only where another key can follow.
+                        if additional.is_none() && mask(props.len()) & !seen == 0 {
+                            return;
+                        }
+                        t.stack.push(set(Obj::Key));
+                    }
+                    _ => return,
+                }
+                emit(out, t);
+            }
+            Frame::Key { mut buf, mut lex } => {
+                let Some(Frame::Object { node, seen, .. }) = t.stack.last() else {
+                    unreachable!("a key frame sits on its object's frame")
+                };
+                let (node, seen) = (*node, *seen);
+                let Node::Object { props, additional, .. } = &nodes[node] else {
+                    unreachable!("an object frame is made for an object node")
+                };
+                let unseen = |i: usize| seen & (1u64 << i) == 0;
+                match lex.push(c) {
+                    StrByte::Bad => return,
+                    StrByte::Content { .. } => {
+                        buf.push(c);
+                        if additional.is_none()
+                            && !props.iter().enumerate().any(|(i, (k, _))| unseen(i) && k.starts_with(&buf))
+                        {
+                            return;
+                        }
+                        t.stack.push(Frame::Key { buf, lex });
+                    }
+                    StrByte::Close => {
+                        let phase = match props.iter().position(|(k, _)| *k == buf) {
+                            Some(i) if unseen(i) => Obj::Colon(Some(i as u8)),
+                            // A known key written twice.
+                            Some(_) => return,
+                            None if additional.is_some() => Obj::Colon(None),
+                            None => return,
+                        };
+                        let seen = match phase {
+                            Obj::Colon(Some(i)) => seen | (1u64 << i),
+                            _ => seen,
+                        };
+                        *t.stack.last_mut().expect("the object frame is there") = Frame::Object { node, seen, phase };
+                    }
+                }
+                emit(out, t);
+            }
+            Frame::Array { node, count, phase } => {
+                let Node::Array { items, min, max } = nodes[node] else {
+                    unreachable!("an array frame is made for an array node")
+                };
+                let full = max.is_some_and(|m| count >= m);
+                match (phase, c) {
+                    (_, c) if is_ws(c) => t.stack.push(Frame::Array { node, count, phase }),
+                    (Arr::First | Arr::After, b']') => {
+                        if count < min {
+                            return;
+                        }
+                    }
+                    (Arr::After, b',') => {
+                        if full {
+                            return;
+                        }
+                        t.stack.push(Frame::Array { node, count, phase: Arr::Next });
+                    }
+                    (Arr::First | Arr::Next, _) => {
+                        if full {
+                            return;
+                        }
+                        t.stack.push(Frame::Array { node, count: count + 1, phase: Arr::After });
+                        return self.start(t, items, c, out, depth);
+                    }
+                    _ => return,
+                }
+                emit(out, t);
+            }
+            Frame::Str { node, chars, mut lex } => {
+                let Node::String { min, max } = nodes[node] else {
+                    unreachable!("a string frame is made for a string node")
+                };
+                match lex.push(c) {
+                    StrByte::Bad => return,
+                    StrByte::Close => {
+                        if chars < min {
+                            return;
+                        }
+                    }
+                    StrByte::Content { new_char } => {
+                        let chars = chars + u32::from(new_char);
+                        if max.is_some_and(|m| chars > m) {
+                            return;
+                        }
+                        t.stack.push(Frame::Str { node, chars, lex });
+                    }
+                }
+                emit(out, t);
+            }
+            Frame::Number { integer, at } => match at.next(c, integer) {
+                Some(at) => {
+                    t.stack.push(Frame::Number { integer, at });
+                    emit(out, t);
+                }
+                // The number ends here; the byte belongs to what follows it.
+                None if at.complete() => self.dispatch(t, c, out, depth),
+                None => {}
+            },
+            Frame::Literal { node, pos, mut cands } => {
+                let Node::Literals(texts) = &nodes[node] else {
+                    unreachable!("a literal frame is made for a literal node")
+                };
+                cands.retain(|&i| texts[i as usize].get(pos as usize) == Some(&c));
+                self.literal(t, node, pos + 1, cands, out);
+            }
+        }
+    }
+
+    /// Start a value of node `n` with its first (non-whitespace) byte `c`.
+    fn start(&self, mut t: Thread, n: NodeId, c: u8, out: &mut Vec<Thread>, depth: u32) {
+        let nodes = &self.schema.nodes;
+        match &nodes[n] {
+            Node::Any => {
+                let k = match c {
+                    b'{' => ANY_OBJECT,
+                    b'[' => ANY_ARRAY,
+                    b'"' => ANY_STRING,
+                    b'-' | b'0'..=b'9' => ANY_NUMBER,
+                    b't' | b'f' => BOOL,
+                    b'n' => NULL,
+                    _ => return,
+                };
+                self.start(t, k, c, out, depth);
+            }
+            Node::AnyOf(alts) if depth < MAX_EXPANSION => {
+                for &a in alts {
+                    self.start(t.clone(), a, c, out, depth + 1);
+                }
+            }
+            Node::Object { .. } if c == b'{' => {
+                t.stack.push(Frame::Object { node: n, seen: 0, phase: Obj::First });
+                emit(out, t);
+            }
+            Node::Array { .. } if c == b'[' => {
+                t.stack.push(Frame::Array { node: n, count: 0, phase: Arr::First });
+                emit(out, t);
+            }
+            Node::String { .. } if c == b'"' => {
+                t.stack.push(Frame::Str { node: n, chars: 0, lex: Lex::Plain });
+                emit(out, t);
+            }
+            &Node::Number { integer } => {
+                let at = match c {
+                    b'-' => Num::Minus,
+                    b'0' => Num::Zero,
+                    b'1'..=b'9' => Num::Int,
+                    _ => return,
+                };
+                t.stack.push(Frame::Number { integer, at });
+                emit(out, t);
+            }
+            Node::Literals(texts) => {
+                let cands = (0..texts.len() as u32).filter(|&i| texts[i as usize].first() == Some(&c)).collect();
+                self.literal(t, n, 1, cands, out);
+            }
+            _ => {}
+        }
+    }
+
+    /// After `pos` bytes of a literal: the literals that are complete end the value (one
+    /// reading), the longer ones go on (another).
+    fn literal(&self, t: Thread, node: NodeId, pos: u32, cands: Vec<u32>, out: &mut Vec<Thread>) {
+        let Node::Literals(texts) = &self.schema.nodes[node] else {
+            unreachable!("a literal frame is made for a literal node")
+        };
+        let (done, rest): (Vec<u32>, Vec<u32>) =
+            cands.into_iter().partition(|&i| texts[i as usize].len() == pos as usize);
+        if !done.is_empty() {
+            emit(out, t.clone());
+        }
+        if !rest.is_empty() {
+            let mut t = t;
+            t.stack.push(Frame::Literal { node, pos, cands: rest });
+            emit(out, t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn run(schema: &Arc<Schema>, text: &[u8]) -> Option<bool> {
+        let mut m = JsonMatcher::new(schema.clone());
+        m.push_all(text).then(|| m.can_end())
+    }
+
+    fn accepts(text: &str) -> Option<bool> {
+        run(&Arc::new(Schema::any_object()), text.as_bytes())
+    }
+
+    #[test]
+    fn json_objects_and_prefixes() {
+        for ok in [
+            "{}",
+            " \n{\"a\": 1}",
+            "{\"a\": [1, -2.5e+3, 0, 0.25, true, false, null, \"x\\\"y\\u00e9\"], \"b\": {\"c\": []}}",
+            "{\"k\":{}}",
+            "{\"emoji\": \"東京 ✓\"}",
+            "{\"n\": 12}",
+            "{\n    \"deep\": {\n        \"x\": [\n            1\n        ]\n    }\n}",
+        ] {
+            assert_eq!(accepts(ok), Some(true), "{ok}");
+            // Every prefix is a valid prefix, and only the whole text is complete.
+            for i in 0..ok.len() {
+                assert_eq!(
+                    run(&Arc::new(Schema::any_object()), &ok.as_bytes()[..i]),
+                    Some(false),
+                    "prefix {i} of {ok}"
+                );
+            }
+        }
+        for bad in [
+            "[1]",
+            "\"s\"",
+            "1",
+            "{,}",
+            "{\"a\" 1}",
+            "{\"a\": 01}",
+            "{\"a\": 1,}",
+            "{\"a\": [1,]}",
+            "{\"a\": tru}x",
+            "{\"a\": .5}",
+            "{\"a\": 1.}",
+            "{\"a\": 1e}",
+            "{\"a\": \"\\x\"}",
+            "{\"a\": \"\n\"}",
+            "{}}",
+            "{]",
+            "{} {}",
+            "{\"a\": -}",
+            "{\"a\": nul }",
+        ] {
+            assert_ne!(accepts(bad), Some(true), "{bad}");
+        }
+        // Whitespace runs are bounded (a model can fill its whole budget with newlines).
+        assert_eq!(accepts("    {}"), Some(true));
+        assert_eq!(accepts("     {}"), None);
+        assert_eq!(accepts(&format!("{{\r\n{}}}", " ".repeat(30))), Some(true));
+        assert_eq!(accepts(&format!("{{{}}}", " ".repeat(33))), None);
+        assert_eq!(accepts("{\n\n\n}"), None);
+        assert_eq!(accepts(&format!("{{\"{}\": 1}}", " ".repeat(100))), Some(true));
+    }
+
+    fn schema(s: Value) -> Arc<Schema> {
+        Arc::new(Schema::compile(&s).unwrap())
+    }
+
+    #[test]
+    fn objects_follow_their_properties() {
+        let s = schema(json!({
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "size": {"type": "integer"}, "tag": {"type": "string"}},
+            "required": ["name", "size"],
+            "additionalProperties": false
+        }));
+        for ok in ["{\"name\": \"a\", \"size\": 3}", "{\"size\":-1,\"tag\":\"x\",\"name\":\"\"}"] {
+            assert_eq!(run(&s, ok.as_bytes()), Some(true), "{ok}");
+        }
+        for (bad, why) in [
+            ("{\"name\": \"a\"}", "required size missing"),
+            ("{\"nam\"", "unknown key"),
+            ("{\"x", "no key starts with x"),
+            ("{\"name\": 1", "name is a string"),
+            ("{\"size\": 1.5", "size is an integer"),
+            ("{\"size\": 1e3", "size is an integer"),
+            ("{\"size\": 1, \"size\"", "a key twice"),
+            ("{\"name\": \"a\", \"size\": 1, \"tag\": \"t\",", "no key left"),
+            ("{}", "required keys missing"),
+        ] {
+            assert_ne!(run(&s, bad.as_bytes()), Some(true), "{bad}: {why}");
+            assert_ne!(run(&s, bad.as_bytes()), Some(false), "{bad}: {why}: refused as a prefix");
+        }
+        // Additional keys (absent `additionalProperties`) take any value; known keys keep
+        // their schema.
+        let open = schema(json!({"properties": {"n": {"type": "number"}}}));
+        assert_eq!(run(&open, b"{\"x\": [1, {\"y\": null}], \"n\": 2.5}"), Some(true));
+        assert_eq!(run(&open, b"{\"n\": \"2\""), None);
+        assert_eq!(run(&open, b"{\"n\": 1, \"n\""), None);
+        let typed = schema(json!({"type": "object", "additionalProperties": {"type": "boolean"}}));
+        assert_eq!(run(&typed, b"{\"a\": true, \"b\": false}"), Some(true));
+        assert_eq!(run(&typed, b"{\"a\": 1"), None);
+    }
+
+    #[test]
+    fn scalars_enums_and_alternatives() {
+        let e = schema(json!({"enum": ["red", "green", 1, 10, null]}));
+        for ok in ["\"red\"", "\"green\"", "1", "10", "null", " 10"] {
+            assert_eq!(run(&e, ok.as_bytes()), Some(true), "{ok}");
+        }
+        for bad in ["\"re\"", "\"blue\"", "100", "2", "true", "\"red\" "] {
+            assert_ne!(run(&e, bad.as_bytes()), Some(true), "{bad}");
+        }
+        assert_eq!(run(&e, b"1"), Some(true), "1 ends or goes on to 10");
+        let c = schema(json!({"const": {"a": [1, 2]}}));
+        assert_eq!(run(&c, b"{\"a\":[1,2]}"), Some(true));
+        let opt = schema(json!({"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]}));
+        for (t, want) in
+            [("\"abc\"", Some(true)), ("\"abcd", None), ("null", Some(true)), ("nul", Some(false)), ("1", None)]
+        {
+            assert_eq!(run(&opt, t.as_bytes()), want, "{t}");
+        }
+        // Lengths count characters: a UTF-8 sequence and an escape are one each.
+        let s = schema(json!({"type": "string", "minLength": 2, "maxLength": 3}));
+        for (t, want) in [
+            ("\"é\"", None),
+            ("\"éé\"", Some(true)),
+            ("\"\\u00e9\\n東\"", Some(true)),
+            ("\"abcd", None),
+            ("\"a\"", None),
+        ] {
+            assert_eq!(run(&s, t.as_bytes()), want, "{t}");
+        }
+        let n = schema(json!({"type": ["integer", "boolean"]}));
+        assert_eq!(run(&n, b"-12"), Some(true));
+        assert_eq!(run(&n, b"-"), Some(false));
+        assert_eq!(run(&n, b"true"), Some(true));
+        assert_eq!(run(&n, b"1."), None);
+        let nullable = schema(json!({"type": "number", "nullable": true}));
+        assert_eq!(run(&nullable, b"null"), Some(true));
+        assert_eq!(run(&nullable, b"2e-3"), Some(true));
+    }
+
+    #[test]
+    fn arrays_and_recursion() {
+        let a = schema(json!({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}));
+        for (t, want) in [("[1]", Some(true)), ("[1, 2]", Some(true)), ("[]", None), ("[1,2,", None), ("[\"a\"", None)]
+        {
+            assert_eq!(run(&a, t.as_bytes()), want, "{t}");
+        }
+        let list = schema(json!({
+            "$defs": {"Node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}, "required": ["v", "next"], "additionalProperties": false}},
+            "$ref": "#/$defs/Node"
+        }));
+        assert_eq!(run(&list, b"{\"v\": 1, \"next\": {\"v\": 2, \"next\": null}}"), Some(true));
+        assert_eq!(run(&list, b"{\"v\": 1, \"next\": {\"v\": 2}}"), None);
+        let tree = schema(
+            json!({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "additionalProperties": false}),
+        );
+        assert_eq!(run(&tree, b"{\"kids\": [{}, {\"kids\": [{\"kids\": []}]}]}"), Some(true));
+        assert_eq!(run(&tree, b"{\"kids\": [1"), None);
+    }
+
+    /// A small xorshift generator (the tests need no crate for it).
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+    }
+
+    /// A validator of the supported keywords, written apart from the matcher: what a random
+    /// walk through the matcher produces must pass it.
+    fn valid(root: &Value, s: &Value, v: &Value) -> bool {
+        if let Some(r) = s.get("$ref").and_then(Value::as_str) {
+            return valid(root, root.pointer(&r[1..]).unwrap(), v);
+        }
+        if let Some(alts) = s.get("anyOf").and_then(Value::as_array) {
+            return alts.iter().any(|a| valid(root, a, v));
+        }
+        if let Some(vals) = s.get("enum").and_then(Value::as_array) {
+            return vals.contains(v);
+        }
+        if let Some(t) = s.get("type").and_then(Value::as_str) {
+            let ok = match t {
+                "object" => v.is_object(),
+                "array" => v.is_array(),
+                "string" => v.is_string(),
+                "integer" => v.as_f64().is_some_and(|f| f.fract() == 0.0),
+                "number" => v.is_number(),
+                "boolean" => v.is_boolean(),
+                _ => v.is_null(),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        if let (Some(o), Some(props)) = (v.as_object(), s.get("properties").and_then(Value::as_object)) {
+            let req = s.get("required").and_then(Value::as_array).cloned().unwrap_or_default();
+            if !req.iter().all(|k| o.contains_key(k.as_str().unwrap())) {
+                return false;
+            }
+            let closed = s.get("additionalProperties") == Some(&Value::Bool(false));
+            for (k, x) in o {
+                match props.get(k) {
+                    Some(ps) if !valid(root, ps, x) => return false,
+                    None if closed => return false,
+                    _ => {}
+                }
+            }
+        }
+        if let Some(a) = v.as_array() {
+            let n = a.len() as u64;
+            let items = s.get("items").cloned().unwrap_or(json!({}));
+            if s.get("minItems").and_then(Value::as_u64).is_some_and(|m| n < m)
+                || s.get("maxItems").and_then(Value::as_u64).is_some_and(|m| n > m)
+                || !a.iter().all(|x| valid(root, &items, x))
+            {
+                return false;
+            }
+        }
+        if let Some(t) = v.as_str() {
+            let n = t.chars().count() as u64;
+            if s.get("minLength").and_then(Value::as_u64).is_some_and(|m| n < m)
+                || s.get("maxLength").and_then(Value::as_u64).is_some_and(|m| n > m)
+            {
+                return false;
+            }
+        }
+        true
+    }
+
+    #[test]
+    fn random_walks_end_in_valid_documents() {
+        let s = json!({
+            "$defs": {"Step": {"type": "object", "properties": {
+                "action": {"enum": ["tap", "swipe", "type"]},
+                "index": {"type": "integer"},
+                "text": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]},
+                "sub": {"type": "array", "items": {"$ref": "#/$defs/Step"}, "maxItems": 2}
+            }, "required": ["action", "index"], "additionalProperties": false}},
+            "type": "object",
+            "properties": {
+                "plan": {"type": "array", "items": {"$ref": "#/$defs/Step"}, "minItems": 1, "maxItems": 3},
+                "done": {"type": "boolean"},
+                "score": {"type": "number"},
+                "note": {"type": "string", "minLength": 2}
+            },
+            "required": ["plan", "done", "note"],
+            "additionalProperties": false
+        });
+        let c = Arc::new(Schema::compile(&s).unwrap());
+        // After some random steps, these bytes are preferred (in order), so walks end.
+        let closers = b"\"]}:,0n";
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut ended = 0;
+        for walk in 0..200 {
+            let mut m = JsonMatcher::new(c.clone());
+            let mut text = vec![];
+            while !(m.can_end() && (m.is_finished() || text.len() > 150 || rng.below(4) == 0)) {
+                let ok: Vec<u8> = (0..=255u8)
+                    .filter(|&b| {
+                        let mut m2 = m.clone();
+                        m2.push(b)
+                    })
+                    .collect();
+                assert!(
+                    !ok.is_empty(),
+                    "walk {walk}: a live state allows no byte after {:?}",
+                    String::from_utf8_lossy(&text)
+                );
+                // Random choices stay in ASCII without escapes and exponents (so the text is
+                // UTF-8 without lone surrogates, and its numbers fit an f64), where the state
+                // allows something else.
+                let plain: Vec<u8> = ok.iter().copied().filter(|&b| b < 0x80 && !b"\\eE".contains(&b)).collect();
+                let pick = if plain.is_empty() { &ok } else { &plain };
+                let b = if text.len() > 60 {
+                    closers.iter().copied().find(|x| ok.contains(x)).unwrap_or(pick[0])
+                } else {
+                    pick[rng.below(pick.len())]
+                };
+                assert!(m.push(b));
+                text.push(b);
+                assert!(text.len() < 4000, "walk {walk} does not end: {:?}", String::from_utf8_lossy(&text));
+            }
+            let v: Value = serde_json::from_slice(&text)
+                .unwrap_or_else(|e| panic!("walk {walk}: {e}: {:?}", String::from_utf8_lossy(&text)));
+            assert!(valid(&s, &s, &v), "walk {walk}: {v}");
+            ended += 1;
+        }
+        assert_eq!(ended, 200);
+    }
+}

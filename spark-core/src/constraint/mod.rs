@@ -1,0 +1,164 @@
+//! Constrained generation: which tokens a request may produce next.
+//!
+//! - [`Constraint`]: the hook the scheduler consults before it accepts a sampled token.
+//! - [`Json`]: JSON output (OpenAI `response_format` `json_object` and `json_schema`): the output
+//!   (after the reasoning, when thinking is on) is one JSON value its [`Schema`] allows, then
+//!   end-of-sequence. [`schema`] compiles JSON Schema, [`matcher`] runs it on bytes.
+//! - [`EndAfter`]: end-of-sequence refused until a given token has come (a tool call that
+//!   `tool_choice` requires: the reply may not end before its `</tool_call>`).
+//!
+//! A constraint judges tokens by their bytes ([`crate::tokenizer::Tokenizer::token_bytes`]), so
+//! a UTF-8 character split over tokens is fine.
+
+use std::sync::Arc;
+
+pub mod matcher;
+pub mod schema;
+
+pub use matcher::JsonMatcher;
+pub use schema::{Schema, SchemaError};
+
+/// Limits the tokens of one request. The scheduler samples as usual, and while the sampled
+/// token is not [`allows`](Constraint::allows)ed it bans it and samples again (after a few
+/// tries it bans every token not allowed, then samples once more). Every generated token,
+/// forced ones included, is passed to [`advance`](Constraint::advance).
+pub trait Constraint: Send {
+    /// Whether `token` may come next.
+    fn allows(&self, token: u32) -> bool;
+    /// `token` was generated.
+    fn advance(&mut self, token: u32);
+}
+
+/// The bytes of every token id (`None`: a special token, never text), shared by requests.
+pub type TokenBytes = Arc<Vec<Option<Vec<u8>>>>;
+
+/// JSON output: one JSON value a [`Schema`] allows (JSON mode: [`Schema::any_object`]), then
+/// one of `end` (EOS). Before `start` (`</think>`) is generated, when given, every token is
+/// allowed.
+pub struct Json {
+    bytes: TokenBytes,
+    end: Vec<u32>,
+    start: Option<u32>,
+    json: JsonMatcher,
+    /// Which bytes may come next: a token whose first byte may not is refused without
+    /// running the matcher over it (the scheduler's fallback asks about every token).
+    first: [bool; 256],
+}
+
+impl Json {
+    /// `start`: the token after which the JSON begins (`</think>` with thinking on), or `None`
+    /// when it begins with the first generated token.
+    pub fn new(bytes: TokenBytes, end: Vec<u32>, start: Option<u32>, schema: Arc<Schema>) -> Json {
+        let mut j = Json { bytes, end, start, json: JsonMatcher::new(schema), first: [true; 256] };
+        j.update_first();
+        j
+    }
+
+    /// Whether the value is complete.
+    pub fn is_complete(&self) -> bool {
+        self.start.is_none() && self.json.can_end()
+    }
+
+    fn update_first(&mut self) {
+        for (b, ok) in self.first.iter_mut().enumerate() {
+            *ok = self.json.clone().push(b as u8);
+        }
+    }
+}
+
+impl Constraint for Json {
+    fn allows(&self, token: u32) -> bool {
+        if self.start.is_some() {
+            return true;
+        }
+        if self.end.contains(&token) {
+            return self.json.can_end();
+        }
+        match self.bytes.get(token as usize) {
+            Some(Some(b)) if !b.is_empty() && self.first[b[0] as usize] => {
+                let mut s = self.json.clone();
+                s.push_all(b)
+            }
+            _ => false,
+        }
+    }
+
+    fn advance(&mut self, token: u32) {
+        if let Some(s) = self.start {
+            if token == s {
+                self.start = None;
+                self.update_first();
+            }
+            return;
+        }
+        if let Some(Some(b)) = self.bytes.get(token as usize) {
+            self.json.push_all(b);
+            self.update_first();
+        }
+    }
+}
+
+/// Refuses the `end` tokens until `after` has been generated; everything else is allowed.
+pub struct EndAfter {
+    end: Vec<u32>,
+    after: u32,
+    seen: bool,
+}
+
+impl EndAfter {
+    pub fn new(end: Vec<u32>, after: u32) -> EndAfter {
+        EndAfter { end, after, seen: false }
+    }
+}
+
+impl Constraint for EndAfter {
+    fn allows(&self, token: u32) -> bool {
+        self.seen || !self.end.contains(&token)
+    }
+
+    fn advance(&mut self, token: u32) {
+        self.seen |= token == self.after;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_after() {
+        let mut c = EndAfter::new(vec![1], 9);
+        assert!(!c.allows(1) && c.allows(2) && c.allows(9));
+        c.advance(2);
+        assert!(!c.allows(1));
+        c.advance(9);
+        assert!(c.allows(1));
+    }
+
+    #[test]
+    fn tokens_are_judged_by_all_their_bytes() {
+        let vocab: Vec<Option<Vec<u8>>> = ["{", "\"a\"", ": ", "1", "}", " {\"", "x", "\"", ":", "é"]
+            .iter()
+            .map(|s| Some(s.as_bytes().to_vec()))
+            .chain([None])
+            .collect();
+        let eos = vocab.len() as u32 - 1;
+        let mut c = Json::new(Arc::new(vocab), vec![eos], Some(6), Arc::new(Schema::any_object()));
+        // Before the start token anything goes.
+        assert!(c.allows(6) && c.allows(eos));
+        c.advance(6);
+        assert!(!c.allows(6) && !c.allows(eos) && !c.allows(1));
+        assert!(c.allows(0) && c.allows(5));
+        for t in [5, 9, 7, 8, 3] {
+            assert!(c.allows(t), "token {t}");
+            c.advance(t);
+        }
+        assert!(!c.allows(eos) && !c.is_complete());
+        assert!(c.allows(4));
+        c.advance(4);
+        assert!(c.is_complete());
+        // Complete: only the end.
+        assert!(c.allows(eos));
+        assert!((0..eos).all(|t| !c.allows(t)));
+    }
+}
