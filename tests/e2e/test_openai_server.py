@@ -17,9 +17,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from typing import Literal, Optional
+
+import jsonschema
 import openai
+import pydantic
 import pytest
 import requests
+from openai.lib._parsing._completions import type_to_response_format_param
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("SPARK_RUN", str(ROOT / "target" / "release" / "spark-run"))
@@ -518,7 +523,8 @@ def test_logit_bias_and_unsupported_fields(server):
     msgs = [{"role": "user", "content": "hi"}]
     for body, param in [
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": 1}}}},
+         "response_format"),
         ({"modalities": ["text", "audio"]}, "modalities"),
     ]:
         r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, **body})
@@ -561,12 +567,91 @@ def test_json_mode_gives_json_objects(server):
                     assert finish == "length", finish
     assert complete >= 8, complete
     for body in [{"response_format": {"type": "json_object"}, "tools": TOOLS},
-                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+                 {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "date"}}}},
                  {"response_format": {"type": "yaml"}}]:
         r = post(server, "/v1/chat/completions", {"model": server.model, "messages": msgs, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", (body, r.text)
     r = post(server, "/v1/completions", {"model": server.model, "prompt": "x", "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+class Step(pydantic.BaseModel):
+    action: Literal["tap", "type", "scroll", "done"]
+    target: Optional[str] = pydantic.Field(max_length=24)
+    index: int
+
+
+class Plan(pydantic.BaseModel):
+    goal: str = pydantic.Field(max_length=40)
+    steps: list[Step] = pydantic.Field(max_length=3)
+    confident: bool
+
+
+def test_json_schema_output_follows_the_schema(server):
+    # response_format json_schema: the content is one value of the schema. The schema here is the
+    # one the openai client derives from a pydantic model (strict: $defs/$ref, anyOf with null,
+    # enum, maxLength, maxItems, additionalProperties false). The toy model's plans are nonsense,
+    # but every complete one must validate (checked by the jsonschema package, not by spark).
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "Plan the taps to open the settings app."}]
+    fmt = type_to_response_format_param(Plan)
+    schema = fmt["json_schema"]["schema"]
+    complete = 0
+    for seed in range(3):
+        for thinking in (False, True):
+            for stream in (False, True):
+                kw = dict(model=server.model, messages=msgs, response_format=fmt, temperature=0.8, seed=seed,
+                          max_tokens=400, extra_body={"max_thinking_tokens": 16,
+                                                      "chat_template_kwargs": {"enable_thinking": thinking}})
+                if stream:
+                    content, finish = "", None
+                    for chunk in client.chat.completions.create(stream=True, **kw):
+                        for c in chunk.choices:
+                            content += c.delta.content or ""
+                            finish = c.finish_reason or finish
+                else:
+                    ch = client.chat.completions.create(**kw).choices[0]
+                    content, finish = ch.message.content, ch.finish_reason
+                assert content.lstrip().startswith("{"), (seed, thinking, content)
+                if finish == "stop":
+                    jsonschema.validate(json.loads(content), schema)
+                    complete += 1
+                else:
+                    assert finish == "length", finish
+    assert complete >= 6, complete
+    # The client's own parse() path: the reply comes back as a Plan.
+    for seed in range(8):
+        try:
+            r = client.chat.completions.parse(model=server.model, messages=msgs, response_format=Plan,
+                                              temperature=0.8, seed=seed, max_tokens=400,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        except openai.LengthFinishReasonError:
+            continue
+        assert isinstance(r.choices[0].message.parsed, Plan), r
+        break
+    else:
+        pytest.fail("no seed gave a complete plan within 400 tokens")
+    # A plain schema (no client involved): an enum-valued object with an integer list.
+    schema = {"type": "object", "properties": {"mode": {"enum": ["dark", "light", None]},
+                                               "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
+              "required": ["mode", "ids"], "additionalProperties": False}
+    r = post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": msgs, "max_tokens": 120, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "prefs", "schema": schema}},
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    if ch["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(ch["message"]["content"]), schema)
+    # Keywords spark does not enforce are refused, naming where they are.
+    r = post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": msgs,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "$.properties.age.minimum" in r.json()["error"]["message"], r.text
 
 
 def test_prefix_cache_reuses_earlier_turns_and_changes_nothing():

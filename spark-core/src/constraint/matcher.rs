@@ -7,18 +7,24 @@
 //! never finish (a required property whose schema recurses without end), which the compiler does
 //! not detect.
 //!
-//! Whitespace outside strings is bounded (a run of at most 32 bytes, 2 of them line breaks, and
-//! 4 before the value): unbounded, a model can fill its whole budget with newlines. Strings are
-//! not checked as UTF-8 (a character may be split over tokens); `minLength` / `maxLength` count
-//! UTF-8 lead bytes and escapes.
+//! Whitespace outside strings is bounded, as pretty-printed or compact JSON needs it: between
+//! two tokens at most 4 spaces, tabs or carriage returns, or one line break (`\n` or `\r\n`)
+//! followed by an indent of at most 20; before the value at most 4 bytes (2 line breaks).
+//! Unbounded, a model can fill its whole budget with whitespace (the toy demo model does). Strings
+//! hold well-formed UTF-8 (a character may be split over tokens; its bytes are checked as they
+//! come); `minLength` / `maxLength` count characters, an escape as one (a surrogate pair as two).
 
 use std::sync::Arc;
 
 use super::schema::{Node, NodeId, Schema, ANY_ARRAY, ANY_NUMBER, ANY_OBJECT, ANY_STRING, BOOL, NULL};
 
-const MAX_WS_RUN: u8 = 32;
-const MAX_BREAKS: u8 = 2;
+/// Whitespace between two tokens on one line.
+const MAX_INLINE_WS: u8 = 4;
+/// Indent after the one line break allowed between two tokens.
+const MAX_INDENT: u8 = 20;
+/// Whitespace before the value, and line breaks among it.
 const MAX_LEADING_WS: u8 = 4;
+const MAX_LEADING_BREAKS: u8 = 2;
 /// Most readings kept at once (more are dropped: fewer texts allowed, none wrongly).
 const MAX_THREADS: usize = 64;
 /// Most `anyOf` / `$ref` steps taken to start one value (a reference cycle that consumes no
@@ -29,12 +35,14 @@ fn is_ws(c: u8) -> bool {
     matches!(c, b' ' | b'\t' | b'\n' | b'\r')
 }
 
-/// Inside a string: plain, after `\`, or inside `\uXXXX` (hex digits left).
+/// Inside a string: plain, after `\`, inside `\uXXXX` (hex digits left), or inside a UTF-8
+/// character (continuation bytes left, and the range the next one must be in).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lex {
     Plain,
     Escape,
     Unicode(u8),
+    Utf8 { left: u8, lo: u8, hi: u8 },
 }
 
 /// What one string byte was.
@@ -58,8 +66,31 @@ impl Lex {
                     StrByte::Content { new_char: true }
                 }
                 0..=0x1f => StrByte::Bad,
-                _ => StrByte::Content { new_char: !(0x80..=0xbf).contains(&c) },
+                0x20..=0x7f => StrByte::Content { new_char: true },
+                // Well-formed UTF-8 only (RFC 3629 table 3-7: no overlong forms, no surrogates,
+                // nothing above U+10FFFF), so the content always decodes.
+                _ => {
+                    let (left, lo, hi) = match c {
+                        0xc2..=0xdf => (1, 0x80, 0xbf),
+                        0xe0 => (2, 0xa0, 0xbf),
+                        0xed => (2, 0x80, 0x9f),
+                        0xe1..=0xef => (2, 0x80, 0xbf),
+                        0xf0 => (3, 0x90, 0xbf),
+                        0xf1..=0xf3 => (3, 0x80, 0xbf),
+                        0xf4 => (3, 0x80, 0x8f),
+                        _ => return StrByte::Bad,
+                    };
+                    *self = Lex::Utf8 { left, lo, hi };
+                    StrByte::Content { new_char: true }
+                }
             },
+            Lex::Utf8 { left, lo, hi } => {
+                if !(lo..=hi).contains(&c) {
+                    return StrByte::Bad;
+                }
+                *self = if left == 1 { Lex::Plain } else { Lex::Utf8 { left: left - 1, lo: 0x80, hi: 0xbf } };
+                StrByte::Content { new_char: false }
+            }
             Lex::Escape => {
                 *self = match c {
                     b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Lex::Plain,
@@ -173,9 +204,11 @@ enum Frame {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Thread {
     stack: Vec<Frame>,
-    /// Whitespace bytes in a row outside strings, and line breaks among them.
+    /// Whitespace bytes in a row outside strings, line breaks among them, and the bytes since
+    /// the last break.
     ws: u8,
     breaks: u8,
+    indent: u8,
 }
 
 impl Thread {
@@ -214,7 +247,7 @@ fn mask(n: usize) -> u64 {
 impl JsonMatcher {
     pub fn new(schema: Arc<Schema>) -> JsonMatcher {
         let root = schema.root;
-        JsonMatcher { schema, threads: vec![Thread { stack: vec![Frame::Value(root)], ws: 0, breaks: 0 }] }
+        JsonMatcher { schema, threads: vec![Thread { stack: vec![Frame::Value(root)], ws: 0, breaks: 0, indent: 0 }] }
     }
 
     /// Feed one byte; `false` when it cannot continue a text the schema allows (the matcher is
@@ -248,15 +281,26 @@ impl JsonMatcher {
         if !matches!(t.stack.last(), Some(Frame::Str { .. } | Frame::Key { .. })) {
             if is_ws(c) {
                 t.ws += 1;
-                t.breaks += u8::from(c == b'\n' || c == b'\r');
-                let leading = matches!(t.stack.as_slice(), [Frame::Value(_)]);
-                let limit = if leading { MAX_LEADING_WS } else { MAX_WS_RUN };
-                if t.ws > limit || t.breaks > MAX_BREAKS {
+                if c == b'\n' {
+                    t.breaks += 1;
+                    t.indent = 0;
+                } else {
+                    t.indent += 1;
+                }
+                let ok = if matches!(t.stack.as_slice(), [Frame::Value(_)]) {
+                    t.ws <= MAX_LEADING_WS && t.breaks <= MAX_LEADING_BREAKS
+                } else if t.breaks == 0 {
+                    t.ws <= MAX_INLINE_WS
+                } else {
+                    t.breaks == 1 && t.indent <= MAX_INDENT
+                };
+                if !ok {
                     return;
                 }
             } else {
                 t.ws = 0;
                 t.breaks = 0;
+                t.indent = 0;
             }
         }
         self.dispatch(t, c, out, 0);
@@ -546,10 +590,16 @@ mod tests {
         }
         // Whitespace runs are bounded (a model can fill its whole budget with newlines).
         assert_eq!(accepts("    {}"), Some(true));
+        assert_eq!(accepts("\n\n{}"), Some(true));
         assert_eq!(accepts("     {}"), None);
-        assert_eq!(accepts(&format!("{{\r\n{}}}", " ".repeat(30))), Some(true));
-        assert_eq!(accepts(&format!("{{{}}}", " ".repeat(33))), None);
-        assert_eq!(accepts("{\n\n\n}"), None);
+        assert_eq!(accepts("\n\n\n{}"), None);
+        assert_eq!(accepts(&format!("{{\r\n{}}}", " ".repeat(20))), Some(true));
+        assert_eq!(accepts(&format!("{{ \t\r\n{}\"a\" :\t1 }}", "\t".repeat(20))), Some(true));
+        assert_eq!(accepts(&format!("{{\n{}}}", " ".repeat(21))), None);
+        assert_eq!(accepts(&format!("{{{}}}", " ".repeat(5))), None);
+        assert_eq!(accepts("{\n\n}"), None);
+        assert_eq!(accepts("{ \"a\":  \n1}"), Some(true));
+        assert_eq!(accepts("{ \"a\":     \n1}"), None);
         assert_eq!(accepts(&format!("{{\"{}\": 1}}", " ".repeat(100))), Some(true));
     }
 
@@ -591,6 +641,28 @@ mod tests {
         let typed = schema(json!({"type": "object", "additionalProperties": {"type": "boolean"}}));
         assert_eq!(run(&typed, b"{\"a\": true, \"b\": false}"), Some(true));
         assert_eq!(run(&typed, b"{\"a\": 1"), None);
+    }
+
+    #[test]
+    fn strings_are_well_formed_utf8() {
+        let s = schema(json!({"type": "string", "maxLength": 3}));
+        for ok in ["\"é€😀\"", "\"\\u00e9ab\"", "\"\u{7f}\""] {
+            assert_eq!(run(&s, ok.as_bytes()), Some(true), "{ok}");
+        }
+        assert_eq!(run(&s, "\"é€😀a\"".as_bytes()), None, "four characters");
+        // A character split over pushes is checked byte by byte.
+        let mut m = JsonMatcher::new(s.clone());
+        assert!(m.push_all(b"\"\xe2\x82") && !m.clone().push(b'"') && m.push(0xac) && m.push(b'"') && m.can_end());
+        for bad in [
+            &b"\"\x80\""[..],        // a continuation byte without a lead
+            b"\"\xc0\xaf\"",         // an overlong '/'
+            b"\"\xed\xa0\x80\"",     // a UTF-16 surrogate
+            b"\"\xf4\x90\x80\x80\"", // above U+10FFFF
+            b"\"\xe2\x82\"",         // a character cut short
+            b"\"\xff\"",
+        ] {
+            assert_eq!(run(&s, bad), None, "{bad:?}");
+        }
     }
 
     #[test]

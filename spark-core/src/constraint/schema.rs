@@ -401,22 +401,23 @@ impl Compiler<'_> {
                 };
                 let quoted = text(&Value::String(name.to_string()));
                 let key = &quoted[1..quoted.len() - 1];
-                let i =
-                    match props.iter().position(|(k, _)| k == key) {
-                        Some(i) => i,
-                        None => match additional {
-                            Some(a) => {
-                                props.push((key.to_vec(), a));
-                                props.len() - 1
-                            }
-                            None => return err(
+                let i = match props.iter().position(|(k, _)| k == key) {
+                    Some(i) => i,
+                    None => match additional {
+                        Some(a) => {
+                            props.push((key.to_vec(), a));
+                            props.len() - 1
+                        }
+                        None => {
+                            return err(
                                 &p,
                                 format!(
                                     "{name:?} is required but not in `properties`, and `additionalProperties` is false"
                                 ),
-                            ),
-                        },
-                    };
+                            )
+                        }
+                    },
+                };
                 if i < MAX_PROPERTIES {
                     required |= 1 << i;
                 }
