@@ -475,6 +475,57 @@ def test_tool_choice_required_and_named_force_the_call(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", (choice, r.text)
 
 
+SCHEMA_TOOLS = [
+    {"type": "function", "function": {"name": "tap", "description": "Tap the item at an index on screen.",
+                                      "parameters": {"type": "object", "properties": {"index": {"type": "integer"}},
+                                                     "required": ["index"]}}},
+    {"type": "function", "function": {"name": "set_mode", "description": "Switch the display mode.",
+                                      "parameters": {"type": "object",
+                                                     "properties": {"mode": {"enum": ["dark", "light"]},
+                                                                    "on": {"type": "boolean"}},
+                                                     "required": ["mode"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                      "parameters": {"type": "object",
+                                                     "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                    "days": {"type": "integer"}},
+                                                     "required": ["city"]}}},
+]
+
+
+def test_tool_calls_follow_the_tool_schemas(server):
+    # The toy demo model cannot call tools: left alone it writes names and arguments that are
+    # nonsense. Tool calls are held to the tools' schemas as they are generated, so with
+    # tool_choice required every call it is made to write is a valid call: an offered name,
+    # declared keys, values of the declared types (checked here by the jsonschema package), every
+    # required argument, and nothing the parser had to recover.
+    msgs = [{"role": "user", "content": "Turn on dark mode, then tap the first item."}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in SCHEMA_TOOLS}
+    names = set()
+    for seed in range(5):
+        for thinking in (False, True):
+            body = {"model": server.model, "messages": msgs, "tools": SCHEMA_TOOLS, "tool_choice": "required",
+                    "parallel_tool_calls": False, "temperature": 0.8, "seed": seed, "max_tokens": 120,
+                    "max_thinking_tokens": 8, "chat_template_kwargs": {"enable_thinking": thinking}}
+            r = post(server, "/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            assert ch["finish_reason"] == "tool_calls", ch
+            assert "spark" not in r.json(), r.json()
+            (call,) = ch["message"]["tool_calls"]
+            name = call["function"]["name"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+            names.add(name)
+    assert len(names) >= 2, names
+    # A named choice: that tool, streamed.
+    chunks = server.client.chat.completions.create(
+        model=server.model, messages=msgs, tools=SCHEMA_TOOLS, stream=True, temperature=0.8, seed=1,
+        tool_choice={"type": "function", "function": {"name": "set_mode"}}, parallel_tool_calls=False,
+        max_tokens=60, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["set_mode"], calls
+    jsonschema.validate(json.loads(calls[0].function.arguments), schemas["set_mode"])
+
+
 def test_parallel_tool_calls_false_ends_with_the_first_call(tmp_path):
     two = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Hefei</arg_value></tool_call>"
            "<tool_call>tap<arg_key>index</arg_key><arg_value>1</arg_value></tool_call>")

@@ -884,7 +884,7 @@ fn clip(s: &str) -> String {
 
 /// The JSON types a schema allows (from `type`, `anyOf`/`oneOf` entries, `enum` values); empty
 /// when the schema does not say.
-fn schema_types(schema: &Value) -> Vec<String> {
+pub(crate) fn schema_types(schema: &Value) -> Vec<String> {
     let mut out = Vec::new();
     match schema.get("type") {
         Some(Value::String(t)) => out.push(t.clone()),

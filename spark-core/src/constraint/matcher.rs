@@ -13,6 +13,8 @@
 //! Unbounded, a model can fill its whole budget with whitespace (the toy demo model does). Strings
 //! hold well-formed UTF-8 (a character may be split over tokens; its bytes are checked as they
 //! come); `minLength` / `maxLength` count characters, an escape as one (a surrogate pair as two).
+//! Numbers have at most 18 digits before the point and 2 in the exponent, so every number
+//! parses (an integer into an `i64`, any number into a finite `f64`).
 
 use std::sync::Arc;
 
@@ -56,6 +58,22 @@ enum StrByte {
     Bad,
 }
 
+/// A non-ASCII byte that starts a well-formed UTF-8 character (RFC 3629 table 3-7: no overlong
+/// forms, no surrogates, nothing above U+10FFFF): how many continuation bytes follow, and the
+/// range the first of them must be in (the others are in `0x80..=0xbf`).
+pub(crate) fn utf8_lead(c: u8) -> Option<(u8, u8, u8)> {
+    Some(match c {
+        0xc2..=0xdf => (1, 0x80, 0xbf),
+        0xe0 => (2, 0xa0, 0xbf),
+        0xed => (2, 0x80, 0x9f),
+        0xe1..=0xef => (2, 0x80, 0xbf),
+        0xf0 => (3, 0x90, 0xbf),
+        0xf1..=0xf3 => (3, 0x80, 0xbf),
+        0xf4 => (3, 0x80, 0x8f),
+        _ => return None,
+    })
+}
+
 impl Lex {
     fn push(&mut self, c: u8) -> StrByte {
         match *self {
@@ -67,19 +85,8 @@ impl Lex {
                 }
                 0..=0x1f => StrByte::Bad,
                 0x20..=0x7f => StrByte::Content { new_char: true },
-                // Well-formed UTF-8 only (RFC 3629 table 3-7: no overlong forms, no surrogates,
-                // nothing above U+10FFFF), so the content always decodes.
                 _ => {
-                    let (left, lo, hi) = match c {
-                        0xc2..=0xdf => (1, 0x80, 0xbf),
-                        0xe0 => (2, 0xa0, 0xbf),
-                        0xed => (2, 0x80, 0x9f),
-                        0xe1..=0xef => (2, 0x80, 0xbf),
-                        0xf0 => (3, 0x90, 0xbf),
-                        0xf1..=0xf3 => (3, 0x80, 0xbf),
-                        0xf4 => (3, 0x80, 0x8f),
-                        _ => return StrByte::Bad,
-                    };
+                    let Some((left, lo, hi)) = utf8_lead(c) else { return StrByte::Bad };
                     *self = Lex::Utf8 { left, lo, hi };
                     StrByte::Content { new_char: true }
                 }
@@ -115,29 +122,39 @@ impl Lex {
 enum Num {
     Minus,
     Zero,
-    Int,
+    /// Integer digits so far.
+    Int(u8),
     Dot,
     Frac,
     E,
     ESign,
-    Exp,
+    /// Exponent digits so far.
+    Exp(u8),
 }
+
+/// Most digits before the point: an integer fits an `i64` (and a parser's integer type).
+const MAX_INT_DIGITS: u8 = 18;
+/// Most exponent digits: with the integer digits bounded, a number stays a finite `f64`.
+const MAX_EXP_DIGITS: u8 = 2;
 
 impl Num {
     /// Whether the number may end here.
     fn complete(self) -> bool {
-        matches!(self, Num::Zero | Num::Int | Num::Frac | Num::Exp)
+        matches!(self, Num::Zero | Num::Int(_) | Num::Frac | Num::Exp(_))
     }
 
     fn next(self, c: u8, integer: bool) -> Option<Num> {
         Some(match (self, c) {
-            (Num::Minus, b'0') => Num::Zero,
-            (Num::Minus, b'1'..=b'9') | (Num::Int, b'0'..=b'9') => Num::Int,
-            (Num::Zero | Num::Int, b'.') if !integer => Num::Dot,
+            // No `-0` integer: parsers read it as a float (-0.0).
+            (Num::Minus, b'0') if !integer => Num::Zero,
+            (Num::Minus, b'1'..=b'9') => Num::Int(1),
+            (Num::Int(n), b'0'..=b'9') if n < MAX_INT_DIGITS => Num::Int(n + 1),
+            (Num::Zero | Num::Int(_), b'.') if !integer => Num::Dot,
             (Num::Dot | Num::Frac, b'0'..=b'9') => Num::Frac,
-            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Num::E,
+            (Num::Zero | Num::Int(_) | Num::Frac, b'e' | b'E') if !integer => Num::E,
             (Num::E, b'+' | b'-') => Num::ESign,
-            (Num::E | Num::ESign | Num::Exp, b'0'..=b'9') => Num::Exp,
+            (Num::E | Num::ESign, b'0'..=b'9') => Num::Exp(1),
+            (Num::Exp(n), b'0'..=b'9') if n < MAX_EXP_DIGITS => Num::Exp(n + 1),
             _ => return None,
         })
     }
@@ -247,7 +264,12 @@ fn mask(n: usize) -> u64 {
 impl JsonMatcher {
     pub fn new(schema: Arc<Schema>) -> JsonMatcher {
         let root = schema.root;
-        JsonMatcher { schema, threads: vec![Thread { stack: vec![Frame::Value(root)], ws: 0, breaks: 0, indent: 0 }] }
+        JsonMatcher::at(schema, root)
+    }
+
+    /// A matcher of one value of `node` (a subschema of `schema`).
+    pub(crate) fn at(schema: Arc<Schema>, node: NodeId) -> JsonMatcher {
+        JsonMatcher { schema, threads: vec![Thread { stack: vec![Frame::Value(node)], ws: 0, breaks: 0, indent: 0 }] }
     }
 
     /// Feed one byte; `false` when it cannot continue a text the schema allows (the matcher is
@@ -497,7 +519,7 @@ impl JsonMatcher {
                 let at = match c {
                     b'-' => Num::Minus,
                     b'0' => Num::Zero,
-                    b'1'..=b'9' => Num::Int,
+                    b'1'..=b'9' => Num::Int(1),
                     _ => return,
                 };
                 t.stack.push(Frame::Number { integer, at });
@@ -662,6 +684,28 @@ mod tests {
             b"\"\xff\"",
         ] {
             assert_eq!(run(&s, bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn numbers_always_parse() {
+        let (int, num) = (schema(json!({"type": "integer"})), schema(json!({"type": "number"})));
+        let max = "9".repeat(18);
+        for (s, text) in
+            [(&int, max.as_str()), (&num, "-0"), (&int, "0"), (&num, "-999999999999999999.5e-99"), (&num, "1E+99")]
+        {
+            assert_eq!(run(s, text.as_bytes()), Some(true), "{text}");
+            let v: Value = serde_json::from_str(text).unwrap();
+            assert!(v.is_i64() || v.as_f64().is_some_and(f64::is_finite), "{text}");
+        }
+        for (s, text) in [
+            (&int, format!("{max}0")),
+            (&num, "1e100".into()),
+            (&int, "1.0".into()),
+            (&num, "01".into()),
+            (&int, "-0".into()),
+        ] {
+            assert_eq!(run(s, text.as_bytes()), None, "{text}");
         }
     }
 

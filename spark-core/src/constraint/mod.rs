@@ -4,8 +4,10 @@
 //! - [`Json`]: JSON output (OpenAI `response_format` `json_object` and `json_schema`): the output
 //!   (after the reasoning, when thinking is on) is one JSON value its [`Schema`] allows, then
 //!   end-of-sequence. [`schema`] compiles JSON Schema, [`matcher`] runs it on bytes.
-//! - [`EndAfter`]: end-of-sequence refused until a given token has come (a tool call that
-//!   `tool_choice` requires: the reply may not end before its `</tool_call>`).
+//! - [`ToolCalls`]: Spark's tool-call markup held to the offered tools' schemas ([`toolcall`]),
+//!   and, when `tool_choice` requires a call, no end before one has closed.
+//! - [`EndAfter`]: end-of-sequence refused until a given token has come (a required tool call,
+//!   for tokenizers without the markup's tokens).
 //!
 //! A constraint judges tokens by their bytes ([`crate::tokenizer::Tokenizer::token_bytes`]), so
 //! a UTF-8 character split over tokens is fine.
@@ -14,9 +16,11 @@ use std::sync::Arc;
 
 pub mod matcher;
 pub mod schema;
+pub mod toolcall;
 
 pub use matcher::JsonMatcher;
 pub use schema::{Schema, SchemaError};
+pub use toolcall::{Markers, ToolCalls, ToolGrammar};
 
 /// Limits the tokens of one request. The scheduler samples as usual, and while the sampled
 /// token is not [`allows`](Constraint::allows)ed it bans it and samples again (after a few

@@ -127,9 +127,21 @@ impl Schema {
 
     /// Compile a JSON schema (see the module doc for what is enforced).
     pub fn compile(schema: &Value) -> Result<Schema, SchemaError> {
-        let mut c = Compiler { root: schema, nodes: Schema::base(), refs: HashMap::new() };
+        let mut c = Compiler { root: schema, nodes: Schema::base(), refs: HashMap::new(), relaxed: None };
         let root = c.node(schema, "$")?;
         Ok(Schema { nodes: c.nodes, root })
+    }
+
+    /// Compile a JSON schema, relaxing what cannot be enforced instead of refusing it: a
+    /// subschema with such a keyword (or otherwise not compilable) becomes its bare `type` (any
+    /// value without one), so the result allows every value the schema allows, and more. For
+    /// schemas the caller did not write to constrain generation (tools' parameters). Returns the
+    /// errors relaxed.
+    pub fn compile_relaxed(schema: &Value) -> (Schema, Vec<SchemaError>) {
+        let mut c = Compiler { root: schema, nodes: Schema::base(), refs: HashMap::new(), relaxed: Some(vec![]) };
+        let root = c.node(schema, "$").unwrap_or(ANY);
+        let relaxed = c.relaxed.take().unwrap_or_default();
+        (Schema { nodes: c.nodes, root }, relaxed)
     }
 }
 
@@ -138,6 +150,8 @@ struct Compiler<'a> {
     nodes: Vec<Node>,
     /// `$ref` targets already compiled (or being compiled: recursion).
     refs: HashMap<String, NodeId>,
+    /// `Some`: relax what cannot be enforced ([`Schema::compile_relaxed`]), noting it here.
+    relaxed: Option<Vec<SchemaError>>,
 }
 
 fn err<T>(path: &str, message: impl Into<String>) -> Result<T, SchemaError> {
@@ -172,6 +186,23 @@ impl Compiler<'_> {
     }
 
     fn node(&mut self, v: &Value, path: &str) -> Result<NodeId, SchemaError> {
+        match self.node_exact(v, path) {
+            Err(e) if self.relaxed.is_some() => {
+                self.relaxed.as_mut().expect("checked").push(e);
+                // The bare type, compiled exactly (it cannot fail but on a bad `type`: then any).
+                let relaxed = self.relaxed.take();
+                let bare = match v.get("type") {
+                    Some(t) => self.node_exact(&serde_json::json!({ "type": t }), path).unwrap_or(ANY),
+                    None => ANY,
+                };
+                self.relaxed = relaxed;
+                Ok(bare)
+            }
+            r => r,
+        }
+    }
+
+    fn node_exact(&mut self, v: &Value, path: &str) -> Result<NodeId, SchemaError> {
         let m = match v {
             Value::Bool(true) => return Ok(ANY),
             Value::Bool(false) => return err(path, "the schema `false` allows no value"),
@@ -493,6 +524,31 @@ mod tests {
         assert_eq!(e.path, "$.required");
         let many: serde_json::Map<String, Value> = (0..65).map(|i| (format!("p{i}"), json!({}))).collect();
         assert_eq!(fails(json!({"type": "object", "properties": many})).path, "$.properties");
+    }
+
+    #[test]
+    fn relaxed_compilation_keeps_the_bare_type() {
+        let s = json!({
+            "type": "object",
+            "properties": {
+                "age": {"type": "integer", "minimum": 0},
+                "tag": {"pattern": "^[a-z]+$"},
+                "ok": {"type": "boolean"},
+                "ref": {"$ref": "#/nowhere"}
+            },
+            "required": ["age"]
+        });
+        assert!(Schema::compile(&s).is_err());
+        let (c, relaxed) = Schema::compile_relaxed(&s);
+        let paths: Vec<&str> = relaxed.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["$.properties.age.minimum", "$.properties.tag.pattern", "$.properties.ref.$ref"]);
+        let Node::Object { props, required, .. } = &c.nodes[c.root] else { panic!("{:?}", c.nodes[c.root]) };
+        assert_eq!(*required, 1);
+        let node = |k: &str| &c.nodes[props.iter().find(|p| p.0 == k.as_bytes()).unwrap().1];
+        assert!(matches!(node("age"), Node::Number { integer: true }));
+        assert!(matches!(node("tag"), Node::Any));
+        assert!(matches!(node("ok"), Node::Literals(_)));
+        assert!(matches!(node("ref"), Node::Any));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 use spark_core::chat::toolcall::{Delta, ToolCall, ToolSpec};
-use spark_core::constraint::{Constraint, EndAfter, Json as JsonConstraint, Schema};
+use spark_core::constraint::{Constraint, EndAfter, Json as JsonConstraint, Markers, Schema, ToolCalls, ToolGrammar};
 use spark_core::sample::SamplingParams;
 use spark_core::scheduler::{Constrain, Event, FinishReason, Request, SubmitError};
 use tokio::sync::mpsc;
@@ -666,6 +666,7 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
     // or first when thinking is off). A scripted reply (test hook) is left as scripted.
     let mut prefix = vec![];
     let mut required_call = None;
+    let must_call = !matches!(choice, ToolChoice::Auto) && script.is_empty();
     let forced = match &choice {
         ToolChoice::Auto => None,
         ToolChoice::Required => Some("<tool_call>".to_string()),
@@ -691,6 +692,35 @@ async fn chat_inner(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -
         if let Some(close) = special.end_tool_call {
             required_call = Some(Box::new(EndAfter::new(state.eos.clone(), close)) as Box<dyn Constraint>);
         }
+    }
+    // Tool calls are held to the tools' schemas as they are written (a named choice: to that
+    // tool's); without the markup's tokens, only the required call's end is enforced.
+    let markers = (|| {
+        Some(Markers {
+            tool_call: special.tool_call?,
+            end_tool_call: special.end_tool_call?,
+            arg_key: special.arg_key?,
+            end_arg_key: special.end_arg_key?,
+            arg_value: special.arg_value?,
+            end_arg_value: special.end_arg_value?,
+        })
+    })();
+    if let Some(marks) = markers.filter(|_| !tools.is_empty()) {
+        let offered: Vec<ToolSpec> = match &choice {
+            ToolChoice::Named(n) => tools.iter().filter(|t| &t.name == n).cloned().collect(),
+            _ => tools.clone(),
+        };
+        let (grammar, _relaxed) = ToolGrammar::new(&offered);
+        let end_think = if thinking { special.end_think } else { None };
+        let calls = ToolCalls::new(
+            Arc::new(grammar),
+            state.token_bytes.clone(),
+            state.eos.clone(),
+            marks,
+            end_think,
+            must_call,
+        );
+        required_call = Some(Box::new(calls) as Box<dyn Constraint>);
     }
     let logprobs = want_lp.then(|| top.unwrap_or(0) as usize);
     // Keep the prompt's KV after the system block (shared by conversations with the same system
