@@ -524,6 +524,16 @@ def test_tool_calls_follow_the_tool_schemas(server):
     calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
     assert [c.function.name for c in calls] == ["set_mode"], calls
     jsonschema.validate(json.loads(calls[0].function.arguments), schemas["set_mode"])
+    # A keyword the grammar cannot enforce is relaxed, unless the tool is `strict`: then a 400.
+    loose = {"type": "function", "function": {"name": "tap", "parameters": {
+        "type": "object", "properties": {"index": {"type": "integer", "minimum": 0}}, "required": ["index"]}}}
+    strict = json.loads(json.dumps(loose))
+    strict["function"]["strict"] = True
+    base = {"model": server.model, "messages": msgs, "max_tokens": 2}
+    assert post(server, "/v1/chat/completions", {**base, "tools": [loose]}).status_code == 200
+    r = post(server, "/v1/chat/completions", {**base, "tools": [strict]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
+    assert "$.properties.index.minimum" in r.json()["error"]["message"], r.text
 
 
 def test_parallel_tool_calls_false_ends_with_the_first_call(tmp_path):

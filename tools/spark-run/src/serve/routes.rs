@@ -533,6 +533,16 @@ fn check_tool(i: usize, t: &Value) -> Result<&str, ApiError> {
             return bad(".function.parameters.required", format!("must be a list of names, got {}", show(req)));
         }
     }
+    // `strict: true` asks for arguments that follow the schema exactly: a keyword the call
+    // grammar would relax is refused instead (without it, such keywords are relaxed).
+    if f.get("strict") == Some(&Value::Bool(true)) {
+        if let Err(e) = Schema::compile(&Value::Object(params.clone())) {
+            return bad(
+                ".function.parameters",
+                format!("cannot be enforced with `strict: true`: {e} (drop `strict` to have it relaxed)"),
+            );
+        }
+    }
     Ok(name)
 }
 
