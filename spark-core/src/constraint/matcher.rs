@@ -288,6 +288,26 @@ impl JsonMatcher {
         bytes.iter().all(|&c| self.push(c))
     }
 
+    /// Whether `bytes` can come next (the matcher is left as it is).
+    pub fn accepts(&self, bytes: &[u8]) -> bool {
+        // Fast path, for the common case of a token inside a string: plain characters (whole
+        // UTF-8 ones, no quote, backslash or control character) continue a string that is not
+        // inside an escape or a character and has room for them (a byte is at most a character).
+        let plain =
+            || !bytes.iter().any(|&c| c < 0x20 || c == b'"' || c == b'\\') && std::str::from_utf8(bytes).is_ok();
+        let room = |t: &Thread| match t.stack.last() {
+            Some(&Frame::Str { node, chars, lex: Lex::Plain }) => match self.schema.nodes[node] {
+                Node::String { max, .. } => max.is_none_or(|m| chars as usize + bytes.len() <= m as usize),
+                _ => false,
+            },
+            _ => false,
+        };
+        if self.threads.iter().any(room) && plain() {
+            return true;
+        }
+        self.clone().push_all(bytes)
+    }
+
     /// Whether the text so far is a complete value the schema allows.
     pub fn can_end(&self) -> bool {
         self.threads.iter().any(Thread::can_end)

@@ -36,6 +36,38 @@ pub trait Constraint: Send {
 /// The bytes of every token id (`None`: a special token, never text), shared by requests.
 pub type TokenBytes = Arc<Vec<Option<Vec<u8>>>>;
 
+/// A quick pre-check of a token's first bytes: which bytes may come next, and which may follow
+/// a space (most tokens of a large vocabulary begin with one). A token it refuses is refused
+/// without running a matcher over it; the scheduler's fallback asks about every token.
+#[derive(Clone)]
+pub(crate) struct ByteFilter {
+    first: [bool; 256],
+    after_space: [bool; 256],
+}
+
+impl ByteFilter {
+    pub(crate) const ALL: ByteFilter = ByteFilter { first: [true; 256], after_space: [true; 256] };
+
+    /// The filter of a state where `ok(bytes)` says whether `bytes` may come next.
+    pub(crate) fn new(ok: impl Fn(&[u8]) -> bool) -> ByteFilter {
+        let mut f = ByteFilter { first: [false; 256], after_space: [false; 256] };
+        for c in 0..=255u8 {
+            f.first[c as usize] = ok(&[c]);
+        }
+        if f.first[b' ' as usize] {
+            for c in 0..=255u8 {
+                f.after_space[c as usize] = ok(&[b' ', c]);
+            }
+        }
+        f
+    }
+
+    /// Whether a token of these (non-empty) bytes may pass.
+    pub(crate) fn passes(&self, b: &[u8]) -> bool {
+        self.first[b[0] as usize] && (b[0] != b' ' || b.len() == 1 || self.after_space[b[1] as usize])
+    }
+}
+
 /// JSON output: one JSON value a [`Schema`] allows (JSON mode: [`Schema::any_object`]), then
 /// one of `end` (EOS). Before `start` (`</think>`) is generated, when given, every token is
 /// allowed.
@@ -44,17 +76,15 @@ pub struct Json {
     end: Vec<u32>,
     start: Option<u32>,
     json: JsonMatcher,
-    /// Which bytes may come next: a token whose first byte may not is refused without
-    /// running the matcher over it (the scheduler's fallback asks about every token).
-    first: [bool; 256],
+    filter: ByteFilter,
 }
 
 impl Json {
     /// `start`: the token after which the JSON begins (`</think>` with thinking on), or `None`
     /// when it begins with the first generated token.
     pub fn new(bytes: TokenBytes, end: Vec<u32>, start: Option<u32>, schema: Arc<Schema>) -> Json {
-        let mut j = Json { bytes, end, start, json: JsonMatcher::new(schema), first: [true; 256] };
-        j.update_first();
+        let mut j = Json { bytes, end, start, json: JsonMatcher::new(schema), filter: ByteFilter::ALL };
+        j.update_filter();
         j
     }
 
@@ -63,10 +93,8 @@ impl Json {
         self.start.is_none() && self.json.can_end()
     }
 
-    fn update_first(&mut self) {
-        for (b, ok) in self.first.iter_mut().enumerate() {
-            *ok = self.json.clone().push(b as u8);
-        }
+    fn update_filter(&mut self) {
+        self.filter = ByteFilter::new(|b| self.json.accepts(b));
     }
 }
 
@@ -79,10 +107,7 @@ impl Constraint for Json {
             return self.json.can_end();
         }
         match self.bytes.get(token as usize) {
-            Some(Some(b)) if !b.is_empty() && self.first[b[0] as usize] => {
-                let mut s = self.json.clone();
-                s.push_all(b)
-            }
+            Some(Some(b)) if !b.is_empty() && self.filter.passes(b) => self.json.accepts(b),
             _ => false,
         }
     }
@@ -91,13 +116,13 @@ impl Constraint for Json {
         if let Some(s) = self.start {
             if token == s {
                 self.start = None;
-                self.update_first();
+                self.update_filter();
             }
             return;
         }
         if let Some(Some(b)) = self.bytes.get(token as usize) {
             self.json.push_all(b);
-            self.update_first();
+            self.update_filter();
         }
     }
 }

@@ -29,7 +29,7 @@ use serde_json::Value;
 
 use super::matcher::{utf8_lead, JsonMatcher};
 use super::schema::{Node, NodeId, Schema, SchemaError};
-use super::{Constraint, TokenBytes};
+use super::{ByteFilter, Constraint, TokenBytes};
 use crate::chat::toolcall::{schema_types, ToolSpec};
 
 /// Longest key allowed where any key is.
@@ -334,9 +334,8 @@ pub struct ToolCalls {
     must_call: bool,
     calls: usize,
     state: State,
-    /// In [`State::Value`]: which bytes may come next (so refusing most of the vocabulary does
-    /// not run the matcher over each token).
-    first: [bool; 256],
+    /// Which first bytes may come in this state ([`ByteFilter`]).
+    filter: ByteFilter,
 }
 
 impl ToolCalls {
@@ -350,7 +349,7 @@ impl ToolCalls {
         must_call: bool,
     ) -> ToolCalls {
         let state = if end_think.is_some() { State::Reasoning } else { State::Free };
-        ToolCalls { grammar, bytes, end, marks, end_think, must_call, calls: 0, state, first: [true; 256] }
+        ToolCalls { grammar, bytes, end, marks, end_think, must_call, calls: 0, state, filter: ByteFilter::ALL }
     }
 
     fn token_bytes(&self, t: u32) -> Option<&[u8]> {
@@ -361,7 +360,6 @@ impl ToolCalls {
     }
 
     fn allowed(&self, state: &State, token: u32) -> bool {
-        let m = &self.marks;
         if self.end.contains(&token) {
             return match state {
                 State::Reasoning | State::Free => !self.must_call || self.calls > 0,
@@ -369,49 +367,56 @@ impl ToolCalls {
                 _ => false,
             };
         }
+        if self.marks.contains(token) {
+            return self.marker_ok(state, token);
+        }
+        match state {
+            State::Reasoning | State::Free | State::Lost => true,
+            _ => match self.token_bytes(token) {
+                Some(b) => self.filter.passes(b) && self.text_ok(state, b),
+                None => false,
+            },
+        }
+    }
+
+    /// Whether a marker token may come.
+    fn marker_ok(&self, state: &State, token: u32) -> bool {
+        let m = &self.marks;
         let tools = &self.grammar.tools;
         match state {
             State::Reasoning | State::Lost => true,
-            State::Free => token == m.tool_call || !m.contains(token),
+            State::Free => token == m.tool_call,
             State::Name(buf) => {
-                if token == m.arg_key || token == m.end_tool_call {
-                    let Some(i) = self.grammar.named(buf) else { return false };
-                    let t = &tools[i];
-                    return if token == m.arg_key {
-                        t.key_left(&Call { tool: i, seen: 0, extra: vec![] })
-                    } else {
-                        t.required == 0
-                    };
-                }
-                let Some(b) = self.token_bytes(token) else { return false };
-                tools.iter().any(|t| {
-                    t.name.len() >= buf.len() + b.len() && t.name.starts_with(buf) && t.name[buf.len()..].starts_with(b)
-                })
+                let Some(i) = self.grammar.named(buf) else { return false };
+                let t = &tools[i];
+                (token == m.arg_key && t.key_left(&Call { tool: i, seen: 0, extra: vec![] }))
+                    || (token == m.end_tool_call && t.required == 0)
             }
             State::Between(call) => {
                 let t = &tools[call.tool];
                 (token == m.arg_key && t.key_left(call)) || (token == m.end_tool_call && t.required & !call.seen == 0)
             }
+            State::Key(call, buf) => token == m.end_arg_key && tools[call.tool].key(call, buf).is_some(),
+            State::BeforeValue(..) => token == m.arg_value,
+            State::Value(_, v) => token == m.end_arg_value && v.can_end(),
+        }
+    }
+
+    /// Whether text `b` may come.
+    fn text_ok(&self, state: &State, b: &[u8]) -> bool {
+        match state {
+            State::Reasoning | State::Free | State::Lost => true,
+            State::Name(buf) => self.grammar.tools.iter().any(|t| {
+                t.name.len() >= buf.len() + b.len() && t.name.starts_with(buf) && t.name[buf.len()..].starts_with(b)
+            }),
             State::Key(call, buf) => {
-                let t = &tools[call.tool];
-                if token == m.end_arg_key {
-                    return t.key(call, buf).is_some();
-                }
-                let Some(b) = self.token_bytes(token) else { return false };
                 let mut k = buf.clone();
                 k.extend_from_slice(b);
-                t.key_prefix(call, &k)
+                self.grammar.tools[call.tool].key_prefix(call, &k)
             }
-            State::BeforeValue(..) => token == m.arg_value,
-            State::Value(_, v) => {
-                if token == m.end_arg_value {
-                    return v.can_end();
-                }
-                match self.token_bytes(token) {
-                    Some(b) if self.first[b[0] as usize] => v.clone().push(b),
-                    _ => false,
-                }
-            }
+            State::Between(_) | State::BeforeValue(..) => false,
+            State::Value(_, Val::Json(m)) => m.accepts(b),
+            State::Value(_, v) => v.clone().push(b),
         }
     }
 
@@ -492,12 +497,11 @@ impl ToolCalls {
         }
     }
 
-    fn update_first(&mut self) {
-        if let State::Value(_, v) = &self.state {
-            for (b, ok) in self.first.iter_mut().enumerate() {
-                *ok = v.clone().push(&[b as u8]);
-            }
-        }
+    fn update_filter(&mut self) {
+        self.filter = match self.state {
+            State::Reasoning | State::Free | State::Lost => ByteFilter::ALL,
+            ref s => ByteFilter::new(|b| self.text_ok(s, b)),
+        };
     }
 }
 
@@ -509,7 +513,7 @@ impl Constraint for ToolCalls {
     fn advance(&mut self, token: u32) {
         let state = std::mem::replace(&mut self.state, State::Free);
         self.state = self.next(state, token);
-        self.update_first();
+        self.update_filter();
     }
 }
 
