@@ -526,14 +526,14 @@ def test_tool_calls_follow_the_tool_schemas(server):
     jsonschema.validate(json.loads(calls[0].function.arguments), schemas["set_mode"])
     # A keyword the grammar cannot enforce is relaxed, unless the tool is `strict`: then a 400.
     loose = {"type": "function", "function": {"name": "tap", "parameters": {
-        "type": "object", "properties": {"index": {"type": "integer", "minimum": 0}}, "required": ["index"]}}}
+        "type": "object", "properties": {"index": {"type": "integer", "multipleOf": 1}}, "required": ["index"]}}}
     strict = json.loads(json.dumps(loose))
     strict["function"]["strict"] = True
     base = {"model": server.model, "messages": msgs, "max_tokens": 2}
     assert post(server, "/v1/chat/completions", {**base, "tools": [loose]}).status_code == 200
     r = post(server, "/v1/chat/completions", {**base, "tools": [strict]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
-    assert "$.properties.index.minimum" in r.json()["error"]["message"], r.text
+    assert "$.properties.index.multipleOf" in r.json()["error"]["message"], r.text
 
 
 def test_parallel_tool_calls_false_ends_with_the_first_call(tmp_path):
@@ -584,7 +584,7 @@ def test_logit_bias_and_unsupported_fields(server):
     msgs = [{"role": "user", "content": "hi"}]
     for body, param in [
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": 1}}}},
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"multipleOf": 1}}}},
          "response_format"),
         ({"modalities": ["text", "audio"]}, "modalities"),
     ]:
@@ -641,20 +641,22 @@ def test_json_mode_gives_json_objects(server):
 class Step(pydantic.BaseModel):
     action: Literal["tap", "type", "scroll", "done"]
     target: Optional[str] = pydantic.Field(max_length=24)
-    index: int
+    index: int = pydantic.Field(ge=0, le=20)
 
 
 class Plan(pydantic.BaseModel):
     goal: str = pydantic.Field(max_length=40)
     steps: list[Step] = pydantic.Field(max_length=3)
     confident: bool
+    score: float = pydantic.Field(gt=0, le=1)
 
 
 def test_json_schema_output_follows_the_schema(server):
     # response_format json_schema: the content is one value of the schema. The schema here is the
     # one the openai client derives from a pydantic model (strict: $defs/$ref, anyOf with null,
-    # enum, maxLength, maxItems, additionalProperties false). The toy model's plans are nonsense,
-    # but every complete one must validate (checked by the jsonschema package, not by spark).
+    # enum, maxLength, maxItems, number bounds, additionalProperties false). The toy model's
+    # plans are nonsense, but every complete one must validate (checked by the jsonschema
+    # package, not by spark).
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none")
     msgs = [{"role": "user", "content": "Plan the taps to open the settings app."}]
     fmt = type_to_response_format_param(Plan)
@@ -710,9 +712,9 @@ def test_json_schema_output_follows_the_schema(server):
     r = post(server, "/v1/chat/completions", {
         "model": server.model, "messages": msgs,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}}}}})
+            "type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}}}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
-    assert "$.properties.age.minimum" in r.json()["error"]["message"], r.text
+    assert "$.properties.name.pattern" in r.json()["error"]["message"], r.text
 
 
 def test_prefix_cache_reuses_earlier_turns_and_changes_nothing():

@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use super::schema::{Node, NodeId, Schema, ANY_ARRAY, ANY_NUMBER, ANY_OBJECT, ANY_STRING, BOOL, NULL};
+use super::schema::{Node, NodeId, Range, Schema, ANY_ARRAY, ANY_NUMBER, ANY_OBJECT, ANY_STRING, BOOL, NULL};
 
 /// Whitespace between two tokens on one line.
 const MAX_INLINE_WS: u8 = 4;
@@ -117,6 +117,66 @@ impl Lex {
     }
 }
 
+/// Whether `text` is a complete number in `r`.
+fn number_in(text: &[u8], r: &Range) -> bool {
+    std::str::from_utf8(text).ok().and_then(|s| s.parse::<f64>().ok()).is_some_and(|x| r.contains(x))
+}
+
+/// Whether `text` is a number this grammar allows (bounded: no exponent).
+fn number_text(text: &[u8], integer: bool) -> bool {
+    let mut at = match text.first() {
+        Some(b'-') => Num::Minus,
+        Some(b'0') => Num::Zero,
+        Some(b'1'..=b'9') => Num::Int(1),
+        _ => return false,
+    };
+    for &c in &text[1..] {
+        match at.next(c, integer, false) {
+            Some(a) => at = a,
+            None => return false,
+        }
+    }
+    at.complete()
+}
+
+/// Whether the number prefix `prefix` can be completed into a number in `r`: a witness is
+/// looked for among the prefix itself, the prefix followed by zeros or nines, and the bounds
+/// written out (the nearest allowed values). A witness proves the completion exists; when the
+/// bounds are so close that none of these is one, the prefix is refused (a text the schema
+/// allows may be refused, never the reverse).
+fn number_can_reach(prefix: &[u8], integer: bool, r: &Range) -> bool {
+    let works = |w: &[u8]| w.starts_with(prefix) && number_text(w, integer) && number_in(w, r);
+    if works(prefix) {
+        return true;
+    }
+    for k in 1..=(MAX_INT_DIGITS as usize + 1) {
+        for d in [b'0', b'9'] {
+            let mut w = prefix.to_vec();
+            w.extend(std::iter::repeat_n(d, k));
+            if works(&w) {
+                return true;
+            }
+        }
+    }
+    // The nearest allowed values to each bound.
+    let (mut lo, mut hi) = (r.lo, r.hi);
+    if integer {
+        lo = if r.lo_excl { lo.floor() + 1.0 } else { lo.ceil() };
+        hi = if r.hi_excl { hi.ceil() - 1.0 } else { hi.floor() };
+    } else {
+        if r.lo_excl {
+            lo = lo.next_up();
+        }
+        if r.hi_excl {
+            hi = hi.next_down();
+        }
+    }
+    [lo, hi].iter().filter(|x| x.is_finite() && x.abs() < 1e18).any(|&x| {
+        let w = if integer { format!("{}", x as i64) } else { format!("{x}") };
+        works(w.as_bytes()) || (!integer && !w.contains('.') && works(format!("{w}.0").as_bytes()))
+    })
+}
+
 /// Where a number is (`-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Num {
@@ -143,7 +203,8 @@ impl Num {
         matches!(self, Num::Zero | Num::Int(_) | Num::Frac | Num::Exp(_))
     }
 
-    fn next(self, c: u8, integer: bool) -> Option<Num> {
+    /// The state after `c`; `exp`: whether an exponent may come.
+    fn next(self, c: u8, integer: bool, exp: bool) -> Option<Num> {
         Some(match (self, c) {
             // No `-0` integer: parsers read it as a float (-0.0).
             (Num::Minus, b'0') if !integer => Num::Zero,
@@ -151,7 +212,7 @@ impl Num {
             (Num::Int(n), b'0'..=b'9') if n < MAX_INT_DIGITS => Num::Int(n + 1),
             (Num::Zero | Num::Int(_), b'.') if !integer => Num::Dot,
             (Num::Dot | Num::Frac, b'0'..=b'9') => Num::Frac,
-            (Num::Zero | Num::Int(_) | Num::Frac, b'e' | b'E') if !integer => Num::E,
+            (Num::Zero | Num::Int(_) | Num::Frac, b'e' | b'E') if !integer && exp => Num::E,
             (Num::E, b'+' | b'-') => Num::ESign,
             (Num::E | Num::ESign, b'0'..=b'9') => Num::Exp(1),
             (Num::Exp(n), b'0'..=b'9') if n < MAX_EXP_DIGITS => Num::Exp(n + 1),
@@ -183,38 +244,18 @@ enum Frame {
     /// A value of this node comes next (whitespace first allowed).
     Value(NodeId),
     /// Inside an object; `seen`: bit i, property i has been written.
-    Object {
-        node: NodeId,
-        seen: u64,
-        phase: Obj,
-    },
+    Object { node: NodeId, seen: u64, phase: Obj },
     /// Inside an object key (on top of its object's frame): the bytes so far, as written.
-    Key {
-        buf: Vec<u8>,
-        lex: Lex,
-    },
+    Key { buf: Vec<u8>, lex: Lex },
     /// Inside an array, `count` values in.
-    Array {
-        node: NodeId,
-        count: u32,
-        phase: Arr,
-    },
+    Array { node: NodeId, count: u32, phase: Arr },
     /// Inside a string, `chars` characters in.
-    Str {
-        node: NodeId,
-        chars: u32,
-        lex: Lex,
-    },
-    Number {
-        integer: bool,
-        at: Num,
-    },
+    Str { node: NodeId, chars: u32, lex: Lex },
+    /// Inside a number: where, and for a bounded one its text so far and whether that is a
+    /// complete number in the bounds.
+    Number { node: NodeId, at: Num, text: Vec<u8>, ok: bool },
     /// Inside one of a node's literals: the bytes matched, and the literals still matching.
-    Literal {
-        node: NodeId,
-        pos: u32,
-        cands: Vec<u32>,
-    },
+    Literal { node: NodeId, pos: u32, cands: Vec<u32> },
 }
 
 /// One reading of the text so far.
@@ -233,7 +274,7 @@ impl Thread {
     fn can_end(&self) -> bool {
         match self.stack.as_slice() {
             [] => true,
-            [Frame::Number { at, .. }] => at.complete(),
+            [Frame::Number { ok, .. }] => *ok,
             _ => false,
         }
     }
@@ -483,15 +524,30 @@ impl JsonMatcher {
                 }
                 emit(out, t);
             }
-            Frame::Number { integer, at } => match at.next(c, integer) {
-                Some(at) => {
-                    t.stack.push(Frame::Number { integer, at });
-                    emit(out, t);
+            Frame::Number { node, at, mut text, ok } => {
+                let Node::Number { integer, range } = nodes[node] else {
+                    unreachable!("a number frame is made for a number node")
+                };
+                match at.next(c, integer, range.is_none()) {
+                    Some(at) => {
+                        let ok = match range {
+                            None => at.complete(),
+                            Some(r) => {
+                                text.push(c);
+                                if !number_can_reach(&text, integer, &r) {
+                                    return;
+                                }
+                                at.complete() && number_in(&text, &r)
+                            }
+                        };
+                        t.stack.push(Frame::Number { node, at, text, ok });
+                        emit(out, t);
+                    }
+                    // The number ends here; the byte belongs to what follows it.
+                    None if ok => self.dispatch(t, c, out, depth),
+                    None => {}
                 }
-                // The number ends here; the byte belongs to what follows it.
-                None if at.complete() => self.dispatch(t, c, out, depth),
-                None => {}
-            },
+            }
             Frame::Literal { node, pos, mut cands } => {
                 let Node::Literals(texts) = &nodes[node] else {
                     unreachable!("a literal frame is made for a literal node")
@@ -535,14 +591,23 @@ impl JsonMatcher {
                 t.stack.push(Frame::Str { node: n, chars: 0, lex: Lex::Plain });
                 emit(out, t);
             }
-            &Node::Number { integer } => {
+            &Node::Number { integer, range } => {
                 let at = match c {
                     b'-' => Num::Minus,
                     b'0' => Num::Zero,
                     b'1'..=b'9' => Num::Int(1),
                     _ => return,
                 };
-                t.stack.push(Frame::Number { integer, at });
+                let (text, ok) = match range {
+                    None => (vec![], at.complete()),
+                    Some(r) => {
+                        if !number_can_reach(&[c], integer, &r) {
+                            return;
+                        }
+                        (vec![c], at.complete() && number_in(&[c], &r))
+                    }
+                };
+                t.stack.push(Frame::Number { node: n, at, text, ok });
                 emit(out, t);
             }
             Node::Literals(texts) => {
@@ -730,6 +795,48 @@ mod tests {
     }
 
     #[test]
+    fn bounded_numbers_stay_in_bounds() {
+        let cases = [
+            (
+                json!({"type": "integer", "minimum": 1, "maximum": 5}),
+                &["1", "3", "5"][..],
+                &["0", "6", "10", "-1", "1.0", "2e0"][..],
+            ),
+            (
+                json!({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+                &["0.5", "1", "1.0", "0.0001", "1.00"],
+                &["0", "0.0", "-0.1", "1.5", "1e-3", "10", "1.01"],
+            ),
+            (
+                json!({"type": "integer", "minimum": -3, "exclusiveMaximum": 100}),
+                &["-3", "-1", "0", "99"],
+                &["-4", "100", "-0"],
+            ),
+            (json!({"minimum": 2.5}), &["2.5", "3", "1000"], &["2.4", "-3"]),
+            (json!({"type": ["integer", "null"], "maximum": -10}), &["-10", "-11", "null"], &["-9", "0", "1"]),
+        ];
+        for (s, ok, bad) in cases {
+            let c = schema(s.clone());
+            for t in ok {
+                assert_eq!(run(&c, t.as_bytes()), Some(true), "{s} {t}");
+            }
+            for t in bad {
+                assert_ne!(run(&c, t.as_bytes()), Some(true), "{s} {t}");
+            }
+        }
+        // Every live prefix can still be completed: a digit or the end is always allowed.
+        let c = schema(json!({"type": "number", "minimum": 0.25, "exclusiveMaximum": 0.5}));
+        let mut m = JsonMatcher::new(c.clone());
+        assert!(!m.clone().push(b'1') && !m.clone().push(b'-') && m.push(b'0'));
+        assert!(m.push(b'.') && !m.clone().push(b'5') && !m.clone().push(b'1') && m.push(b'3') && m.can_end());
+        // Inside an object, the number ends at the delimiter only when it is in bounds.
+        let o = schema(json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 10}}}));
+        assert_eq!(run(&o, b"{\"n\": 12}"), Some(true));
+        assert_eq!(run(&o, b"{\"n\": 1}"), None);
+        assert_eq!(run(&o, b"{\"n\": 1"), Some(false), "1 can still grow into 10..");
+    }
+
+    #[test]
     fn scalars_enums_and_alternatives() {
         let e = schema(json!({"enum": ["red", "green", 1, 10, null]}));
         for ok in ["\"red\"", "\"green\"", "1", "10", "null", " 10"] {
@@ -849,6 +956,16 @@ mod tests {
                 return false;
             }
         }
+        if let Some(x) = v.as_f64() {
+            let bound = |k: &str| s.get(k).and_then(Value::as_f64);
+            if bound("minimum").is_some_and(|m| x < m)
+                || bound("maximum").is_some_and(|m| x > m)
+                || bound("exclusiveMinimum").is_some_and(|m| x <= m)
+                || bound("exclusiveMaximum").is_some_and(|m| x >= m)
+            {
+                return false;
+            }
+        }
         if let Some(t) = v.as_str() {
             let n = t.chars().count() as u64;
             if s.get("minLength").and_then(Value::as_u64).is_some_and(|m| n < m)
@@ -865,7 +982,7 @@ mod tests {
         let s = json!({
             "$defs": {"Step": {"type": "object", "properties": {
                 "action": {"enum": ["tap", "swipe", "type"]},
-                "index": {"type": "integer"},
+                "index": {"type": "integer", "minimum": 3, "maximum": 40},
                 "text": {"anyOf": [{"type": "string", "maxLength": 6}, {"type": "null"}]},
                 "sub": {"type": "array", "items": {"$ref": "#/$defs/Step"}, "maxItems": 2}
             }, "required": ["action", "index"], "additionalProperties": false}},
@@ -873,7 +990,7 @@ mod tests {
             "properties": {
                 "plan": {"type": "array", "items": {"$ref": "#/$defs/Step"}, "minItems": 1, "maxItems": 3},
                 "done": {"type": "boolean"},
-                "score": {"type": "number"},
+                "score": {"type": "number", "exclusiveMinimum": -0.5, "maximum": 0.75},
                 "note": {"type": "string", "minLength": 2}
             },
             "required": ["plan", "done", "note"],

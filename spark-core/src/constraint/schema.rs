@@ -6,7 +6,8 @@
 //!
 //! - `type` (one or a list), `properties`, `required`, `additionalProperties` (a boolean or a
 //!   schema; absent means any, as in JSON Schema), `items`, `minItems`, `maxItems`, `minLength`,
-//!   `maxLength`, `enum`, `const`, `anyOf`, `oneOf` (enforced as `anyOf`: a value matching two
+//!   `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers; draft
+//!   4's boolean forms are refused), `enum`, `const`, `anyOf`, `oneOf` (enforced as `anyOf`: a value matching two
 //!   alternatives is not refused), `allOf` of one schema, `$ref` to `#`, `#/$defs/...` or
 //!   `#/definitions/...` (recursion allowed), `nullable` (OpenAPI);
 //! - annotations are ignored: `title`, `description`, `default`, `examples`, `$schema`, `$id`,
@@ -40,8 +41,9 @@ pub(crate) enum Node {
     Array { items: NodeId, min: u32, max: Option<u32> },
     /// A string of `min..=max` characters.
     String { min: u32, max: Option<u32> },
-    /// A number; `integer`: without fraction or exponent.
-    Number { integer: bool },
+    /// A number; `integer`: without fraction or exponent; `range`: its bounds (a bounded
+    /// number is written without exponent).
+    Number { integer: bool, range: Option<Range> },
     /// One of these JSON texts (compact): `enum`, `const`, `true`/`false`, `null`.
     Literals(Vec<Vec<u8>>),
     /// Any of these schemas.
@@ -99,7 +101,28 @@ const ANNOTATIONS: [&str; 12] = [
 
 /// Keywords this compiler enforces (for the error message).
 const SUPPORTED: &str = "type, properties, required, additionalProperties, items, minItems, maxItems, \
-     minLength, maxLength, enum, const, anyOf, oneOf, allOf (of one schema), $ref, $defs, nullable";
+     minLength, maxLength, minimum, maximum, exclusiveMinimum, exclusiveMaximum, enum, const, anyOf, oneOf, \
+     allOf (of one schema), $ref, $defs, nullable";
+
+/// The bound keywords of numbers.
+const NUMERIC: [&str; 4] = ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"];
+
+/// A number's bounds: `lo <= x` (`lo < x` when `lo_excl`) and `x <= hi` (`x < hi`), compared
+/// as `f64` (as JSON parsers read numbers).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Range {
+    pub lo: f64,
+    pub lo_excl: bool,
+    pub hi: f64,
+    pub hi_excl: bool,
+}
+
+impl Range {
+    pub(crate) fn contains(&self, x: f64) -> bool {
+        (if self.lo_excl { x > self.lo } else { x >= self.lo })
+            && (if self.hi_excl { x < self.hi } else { x <= self.hi })
+    }
+}
 
 impl Schema {
     /// The base nodes: the generic JSON grammar.
@@ -109,7 +132,7 @@ impl Schema {
             Node::Object { props: vec![], required: 0, additional: Some(ANY) },
             Node::Array { items: ANY, min: 0, max: None },
             Node::String { min: 0, max: None },
-            Node::Number { integer: false },
+            Node::Number { integer: false, range: None },
             Node::Literals(vec![b"true".to_vec(), b"false".to_vec()]),
             Node::Literals(vec![b"null".to_vec()]),
         ]
@@ -232,6 +255,10 @@ impl Compiler<'_> {
                 "allOf",
                 "$ref",
                 "nullable",
+                "minimum",
+                "maximum",
+                "exclusiveMinimum",
+                "exclusiveMaximum",
             ];
             if !known.contains(k) {
                 return err(&format!("{path}.{k}"), format!("`{k}` is not enforced (enforced: {SUPPORTED})"));
@@ -277,6 +304,8 @@ impl Compiler<'_> {
                     vec!["array"]
                 } else if m.contains_key("minLength") || m.contains_key("maxLength") {
                     vec!["string"]
+                } else if NUMERIC.iter().any(|k| m.contains_key(*k)) {
+                    vec!["number"]
                 } else {
                     vec![]
                 }
@@ -337,8 +366,13 @@ impl Compiler<'_> {
                     let (min, max) = self.bounds(m, path, "minLength", "maxLength")?;
                     self.push(Node::String { min, max })
                 }
-                "number" => ANY_NUMBER,
-                "integer" => self.push(Node::Number { integer: true }),
+                "number" | "integer" => {
+                    let integer = *t == "integer";
+                    match self.range(m, path, integer)? {
+                        None if !integer => ANY_NUMBER,
+                        range => self.push(Node::Number { integer, range }),
+                    }
+                }
                 "boolean" => BOOL,
                 _ => NULL,
             };
@@ -350,11 +384,13 @@ impl Compiler<'_> {
             "properties" | "required" | "additionalProperties" => Some("object"),
             "items" | "minItems" | "maxItems" => Some("array"),
             "minLength" | "maxLength" => Some("string"),
+            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" => Some("number"),
             _ => None,
         };
         for k in &keys {
             if let Some(t) = of(k) {
-                if !types.is_empty() && !types.contains(&t) {
+                let listed = types.contains(&t) || (t == "number" && types.contains(&"integer"));
+                if !types.is_empty() && !listed {
                     return err(
                         &format!("{path}.{k}"),
                         format!("`{k}` applies to {t}s, but `type` does not allow {t}"),
@@ -377,6 +413,57 @@ impl Compiler<'_> {
             Some(Value::Bool(true)) => Ok(self.push(Node::AnyOf(vec![n, NULL]))),
             Some(other) => err(&format!("{path}.nullable"), format!("`nullable` must be a boolean, got {other}")),
         }
+    }
+
+    /// The bounds of a number (`None`: unbounded). Draft 4's boolean `exclusiveMinimum` /
+    /// `exclusiveMaximum` are refused; a range no value (no integer, for `integer`) can meet
+    /// is an error.
+    fn range(
+        &self,
+        m: &serde_json::Map<String, Value>,
+        path: &str,
+        integer: bool,
+    ) -> Result<Option<Range>, SchemaError> {
+        let get = |k: &str| -> Result<Option<f64>, SchemaError> {
+            match m.get(k) {
+                None => Ok(None),
+                Some(v) => match v.as_f64() {
+                    Some(x) if x.is_finite() => Ok(Some(x)),
+                    _ => err(&format!("{path}.{k}"), format!("`{k}` must be a number, got {v}")),
+                },
+            }
+        };
+        let (min, max, xmin, xmax) =
+            (get("minimum")?, get("maximum")?, get("exclusiveMinimum")?, get("exclusiveMaximum")?);
+        if min.is_none() && max.is_none() && xmin.is_none() && xmax.is_none() {
+            return Ok(None);
+        }
+        // The tighter of each pair.
+        let (mut lo, mut lo_excl) = (f64::NEG_INFINITY, false);
+        if let Some(x) = min {
+            (lo, lo_excl) = (x, false);
+        }
+        if let Some(x) = xmin.filter(|&x| x >= lo) {
+            (lo, lo_excl) = (x, true);
+        }
+        let (mut hi, mut hi_excl) = (f64::INFINITY, false);
+        if let Some(x) = max {
+            (hi, hi_excl) = (x, false);
+        }
+        if let Some(x) = xmax.filter(|&x| x <= hi) {
+            (hi, hi_excl) = (x, true);
+        }
+        let r = Range { lo, lo_excl, hi, hi_excl };
+        let empty = if integer {
+            let first = if lo_excl { lo.floor() + 1.0 } else { lo.ceil() };
+            !r.contains(first.max(-1e18))
+        } else {
+            lo > hi || (lo == hi && (lo_excl || hi_excl))
+        };
+        if empty {
+            return err(path, format!("no {} lies in the bounds", if integer { "integer" } else { "number" }));
+        }
+        Ok(Some(r))
     }
 
     /// `min..max` from two optional non-negative integer keywords.
@@ -507,8 +594,16 @@ mod tests {
 
     #[test]
     fn refused_keywords_are_named_with_their_path() {
-        let e = fails(json!({"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}}));
-        assert_eq!(e.path, "$.properties.age.minimum");
+        for (bad, path) in [
+            (json!({"type": "integer", "minimum": 1.2, "maximum": 1.8}), "$"),
+            (json!({"type": "number", "exclusiveMinimum": 1, "maximum": 1}), "$"),
+            (json!({"type": "number", "exclusiveMinimum": true, "minimum": 1}), "$.exclusiveMinimum"),
+            (json!({"type": "string", "minimum": 1}), "$.minimum"),
+        ] {
+            assert_eq!(fails(bad.clone()).path, path, "{bad}");
+        }
+        let e = fails(json!({"type": "object", "properties": {"age": {"type": "integer", "multipleOf": 2}}}));
+        assert_eq!(e.path, "$.properties.age.multipleOf");
         assert!(e.message.contains("not enforced"), "{e}");
         assert_eq!(fails(json!({"type": "string", "pattern": "a+"})).path, "$.pattern");
         assert_eq!(fails(json!({"allOf": [{}, {}]})).path, "$.allOf");
@@ -531,7 +626,7 @@ mod tests {
         let s = json!({
             "type": "object",
             "properties": {
-                "age": {"type": "integer", "minimum": 0},
+                "age": {"type": "integer", "multipleOf": 2},
                 "tag": {"pattern": "^[a-z]+$"},
                 "ok": {"type": "boolean"},
                 "ref": {"$ref": "#/nowhere"}
@@ -541,11 +636,11 @@ mod tests {
         assert!(Schema::compile(&s).is_err());
         let (c, relaxed) = Schema::compile_relaxed(&s);
         let paths: Vec<&str> = relaxed.iter().map(|e| e.path.as_str()).collect();
-        assert_eq!(paths, ["$.properties.age.minimum", "$.properties.tag.pattern", "$.properties.ref.$ref"]);
+        assert_eq!(paths, ["$.properties.age.multipleOf", "$.properties.tag.pattern", "$.properties.ref.$ref"]);
         let Node::Object { props, required, .. } = &c.nodes[c.root] else { panic!("{:?}", c.nodes[c.root]) };
         assert_eq!(*required, 1);
         let node = |k: &str| &c.nodes[props.iter().find(|p| p.0 == k.as_bytes()).unwrap().1];
-        assert!(matches!(node("age"), Node::Number { integer: true }));
+        assert!(matches!(node("age"), Node::Number { integer: true, range: None }));
         assert!(matches!(node("tag"), Node::Any));
         assert!(matches!(node("ok"), Node::Literals(_)));
         assert!(matches!(node("ref"), Node::Any));

@@ -587,7 +587,7 @@ mod tests {
     fn tools() -> Vec<ToolSpec> {
         ToolSpec::from_openai(&json!([
             {"type": "function", "function": {"name": "tap", "parameters": {
-                "type": "object", "properties": {"index": {"type": "integer", "minimum": 0}}, "required": ["index"]}}},
+                "type": "object", "properties": {"index": {"type": "integer", "multipleOf": 1}}, "required": ["index"]}}},
             {"type": "function", "function": {"name": "tap_long", "parameters": {
                 "type": "object", "properties": {"index": {"type": "integer"}, "ms": {"type": "number"}}}}},
             {"type": "function", "function": {"name": "set_mode", "parameters": {
@@ -608,7 +608,7 @@ mod tests {
     fn constraint(thinking: bool, must_call: bool) -> ToolCalls {
         let (g, notes) = ToolGrammar::new(&tools());
         assert_eq!(notes.len(), 1, "{notes:?}");
-        assert_eq!(notes[0].1.path, "$.properties.index.minimum");
+        assert_eq!(notes[0].1.path, "$.properties.index.multipleOf");
         ToolCalls::new(Arc::new(g), vocab(), vec![EOS], MARKS, thinking.then_some(END_THINK), must_call)
     }
 
