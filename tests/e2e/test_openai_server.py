@@ -9,6 +9,7 @@ Binary: $SPARK_RUN (default target/release/spark-run). Run with tests/e2e/run.sh
 """
 
 import concurrent.futures
+import datetime
 import json
 import os
 import re
@@ -648,15 +649,21 @@ class Plan(pydantic.BaseModel):
     goal: str = pydantic.Field(max_length=40)
     steps: list[Step] = pydantic.Field(max_length=3)
     confident: bool
+
+
+class Ticket(pydantic.BaseModel):
+    code: str = pydantic.Field(pattern=r"^[A-Z]{3}-\d{2}$")
+    due: datetime.date
     score: float = pydantic.Field(gt=0, le=1)
+    priority: int = pydantic.Field(ge=1, le=5)
 
 
 def test_json_schema_output_follows_the_schema(server):
     # response_format json_schema: the content is one value of the schema. The schema here is the
     # one the openai client derives from a pydantic model (strict: $defs/$ref, anyOf with null,
-    # enum, maxLength, maxItems, number bounds, additionalProperties false). The toy model's
-    # plans are nonsense, but every complete one must validate (checked by the jsonschema
-    # package, not by spark).
+    # enum, maxLength, maxItems, additionalProperties false; then number bounds, pattern and
+    # format date). The toy model's values are nonsense, but every complete one must validate
+    # (checked by the jsonschema package, not by spark).
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none")
     msgs = [{"role": "user", "content": "Plan the taps to open the settings app."}]
     fmt = type_to_response_format_param(Plan)
@@ -696,6 +703,21 @@ def test_json_schema_output_follows_the_schema(server):
         break
     else:
         pytest.fail("no seed gave a complete plan within 400 tokens")
+    # Bounds, a pattern and a date format (validated with jsonschema's format checker).
+    fmt = type_to_response_format_param(Ticket)
+    schema = fmt["json_schema"]["schema"]
+    complete = 0
+    for seed in range(6):
+        ch = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "File a ticket for the crash."}],
+            response_format=fmt, temperature=0.8, seed=seed, max_tokens=300,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+        if ch.finish_reason == "stop":
+            jsonschema.validate(json.loads(ch.message.content), schema, format_checker=jsonschema.FormatChecker())
+            complete += 1
+        else:
+            assert ch.finish_reason == "length", ch
+    assert complete >= 3, complete
     # A plain schema (no client involved): an enum-valued object with an integer list.
     schema = {"type": "object", "properties": {"mode": {"enum": ["dark", "light", None]},
                                                "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
@@ -712,9 +734,9 @@ def test_json_schema_output_follows_the_schema(server):
     r = post(server, "/v1/chat/completions", {
         "model": server.model, "messages": msgs,
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}}}}}})
+            "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
-    assert "$.properties.name.pattern" in r.json()["error"]["message"], r.text
+    assert "$.properties.tags.uniqueItems" in r.json()["error"]["message"], r.text
 
 
 def test_prefix_cache_reuses_earlier_turns_and_changes_nothing():

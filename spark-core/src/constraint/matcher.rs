@@ -18,6 +18,8 @@
 
 use std::sync::Arc;
 
+use regex_automata::util::primitives::StateID;
+
 use super::schema::{Node, NodeId, Range, Schema, ANY_ARRAY, ANY_NUMBER, ANY_OBJECT, ANY_STRING, BOOL, NULL};
 
 /// Whitespace between two tokens on one line.
@@ -45,6 +47,36 @@ enum Lex {
     Escape,
     Unicode(u8),
     Utf8 { left: u8, lo: u8, hi: u8 },
+}
+
+/// What a string byte adds to the string's decoded text (what a pattern sees).
+enum Decoded {
+    /// A `\`: what it escapes comes next.
+    Backslash,
+    Byte(u8),
+    /// A `\u` escape: not written in strings with a pattern (a prefix of its hex digits cannot be
+    /// judged against the pattern before the last one; the characters it would give are written
+    /// as UTF-8 or with the short escapes).
+    Refused,
+}
+
+/// The decoded text byte `c` adds, `prev` being the lexer's state before it (the byte is known
+/// to be valid string content).
+fn decoded(prev: Lex, c: u8) -> Decoded {
+    match prev {
+        Lex::Plain if c == b'\\' => Decoded::Backslash,
+        Lex::Plain | Lex::Utf8 { .. } => Decoded::Byte(c),
+        Lex::Escape => match c {
+            b'u' => Decoded::Refused,
+            b'b' => Decoded::Byte(8),
+            b'f' => Decoded::Byte(12),
+            b'n' => Decoded::Byte(b'\n'),
+            b'r' => Decoded::Byte(b'\r'),
+            b't' => Decoded::Byte(b'\t'),
+            c => Decoded::Byte(c),
+        },
+        Lex::Unicode(_) => Decoded::Refused,
+    }
 }
 
 /// What one string byte was.
@@ -249,8 +281,8 @@ enum Frame {
     Key { buf: Vec<u8>, lex: Lex },
     /// Inside an array, `count` values in.
     Array { node: NodeId, count: u32, phase: Arr },
-    /// Inside a string, `chars` characters in.
-    Str { node: NodeId, chars: u32, lex: Lex },
+    /// Inside a string, `chars` characters in; `re`: the pattern's state, if it has one.
+    Str { node: NodeId, chars: u32, lex: Lex, re: Option<StateID> },
     /// Inside a number: where, and for a bounded one its text so far and whether that is a
     /// complete number in the bounds.
     Number { node: NodeId, at: Num, text: Vec<u8>, ok: bool },
@@ -337,7 +369,7 @@ impl JsonMatcher {
         let plain =
             || !bytes.iter().any(|&c| c < 0x20 || c == b'"' || c == b'\\') && std::str::from_utf8(bytes).is_ok();
         let room = |t: &Thread| match t.stack.last() {
-            Some(&Frame::Str { node, chars, lex: Lex::Plain }) => match self.schema.nodes[node] {
+            Some(&Frame::Str { node, chars, lex: Lex::Plain, re: None }) => match self.schema.nodes[node] {
                 Node::String { max, .. } => max.is_none_or(|m| chars as usize + bytes.len() <= m as usize),
                 _ => false,
             },
@@ -503,15 +535,21 @@ impl JsonMatcher {
                 }
                 emit(out, t);
             }
-            Frame::Str { node, chars, mut lex } => {
-                let Node::String { min, max } = nodes[node] else {
+            Frame::Str { node, chars, mut lex, re } => {
+                let Node::String { min, max, ref pattern } = nodes[node] else {
                     unreachable!("a string frame is made for a string node")
                 };
+                let prev = lex;
                 match lex.push(c) {
                     StrByte::Bad => return,
                     StrByte::Close => {
                         if chars < min {
                             return;
+                        }
+                        if let (Some(p), Some(s)) = (pattern, re) {
+                            if !p.accepts(s) {
+                                return;
+                            }
                         }
                     }
                     StrByte::Content { new_char } => {
@@ -519,7 +557,24 @@ impl JsonMatcher {
                         if max.is_some_and(|m| chars > m) {
                             return;
                         }
-                        t.stack.push(Frame::Str { node, chars, lex });
+                        let re = match (pattern, re) {
+                            (Some(p), Some(s)) => {
+                                let next = match decoded(prev, c) {
+                                    // Only where a short escape can follow.
+                                    Decoded::Backslash => {
+                                        b"\"\\/\x08\x0c\n\r\t".iter().any(|&b| p.step(s, b).is_some()).then_some(s)
+                                    }
+                                    Decoded::Byte(b) => p.step(s, b),
+                                    Decoded::Refused => None,
+                                };
+                                match next {
+                                    Some(s) => Some(s),
+                                    None => return,
+                                }
+                            }
+                            _ => None,
+                        };
+                        t.stack.push(Frame::Str { node, chars, lex, re });
                     }
                 }
                 emit(out, t);
@@ -587,8 +642,9 @@ impl JsonMatcher {
                 t.stack.push(Frame::Array { node: n, count: 0, phase: Arr::First });
                 emit(out, t);
             }
-            Node::String { .. } if c == b'"' => {
-                t.stack.push(Frame::Str { node: n, chars: 0, lex: Lex::Plain });
+            Node::String { pattern, .. } if c == b'"' => {
+                let re = pattern.as_ref().map(|p| p.start());
+                t.stack.push(Frame::Str { node: n, chars: 0, lex: Lex::Plain, re });
                 emit(out, t);
             }
             &Node::Number { integer, range } => {
@@ -837,6 +893,27 @@ mod tests {
     }
 
     #[test]
+    fn patterns_see_the_decoded_string() {
+        let s = schema(json!({"type": "string", "pattern": "^a\"[\\n]é$"}));
+        assert_eq!(run(&s, "\"a\\\"\\né\"".as_bytes()), Some(true));
+        let t = schema(json!({"type": "string", "pattern": "^[\\t/]+$"}));
+        assert_eq!(run(&t, b"\"\\t\\/\t/\""), None, "a raw tab is not JSON");
+        assert_eq!(run(&t, b"\"\\t\\//\""), Some(true));
+        // A backslash only where what it can escape may come.
+        let u = schema(json!({"type": "string", "pattern": "^[A-Z]+$"}));
+        assert_eq!(run(&u, b"\"AB\\"), None);
+        for bad in ["\"a\\\"\\nx\"", "\"a\\\"\\né \"", "\"b", "\"a\\u0022"] {
+            assert_eq!(run(&s, bad.as_bytes()), None, "{bad}");
+        }
+        // A string that can no longer match is refused at the byte that decides it, and the
+        // closing quote only once it matches.
+        let d = schema(json!({"type": "string", "format": "date"}));
+        let mut m = JsonMatcher::new(d);
+        assert!(m.push_all(b"\"2026-1") && !m.clone().push(b'3') && m.push(b'2') && !m.clone().push(b'"'));
+        assert!(m.push_all(b"-06") && m.push(b'"') && m.can_end());
+    }
+
+    #[test]
     fn scalars_enums_and_alternatives() {
         let e = schema(json!({"enum": ["red", "green", 1, 10, null]}));
         for ok in ["\"red\"", "\"green\"", "1", "10", "null", " 10"] {
@@ -967,6 +1044,12 @@ mod tests {
             }
         }
         if let Some(t) = v.as_str() {
+            if let Some(p) = s.get("pattern").and_then(Value::as_str) {
+                // ECMA-262's \d is ASCII.
+                if !regex::Regex::new(&p.replace("\\d", "[0-9]")).unwrap().is_match(t) {
+                    return false;
+                }
+            }
             let n = t.chars().count() as u64;
             if s.get("minLength").and_then(Value::as_u64).is_some_and(|m| n < m)
                 || s.get("maxLength").and_then(Value::as_u64).is_some_and(|m| n > m)
@@ -991,9 +1074,10 @@ mod tests {
                 "plan": {"type": "array", "items": {"$ref": "#/$defs/Step"}, "minItems": 1, "maxItems": 3},
                 "done": {"type": "boolean"},
                 "score": {"type": "number", "exclusiveMinimum": -0.5, "maximum": 0.75},
-                "note": {"type": "string", "minLength": 2}
+                "note": {"type": "string", "minLength": 2},
+                "id": {"type": "string", "pattern": "^[a-f]\\d{2}(-[xy\"é]+)?$"}
             },
-            "required": ["plan", "done", "note"],
+            "required": ["plan", "done", "note", "id"],
             "additionalProperties": false
         });
         let c = Arc::new(Schema::compile(&s).unwrap());

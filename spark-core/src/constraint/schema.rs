@@ -6,21 +6,27 @@
 //!
 //! - `type` (one or a list), `properties`, `required`, `additionalProperties` (a boolean or a
 //!   schema; absent means any, as in JSON Schema), `items`, `minItems`, `maxItems`, `minLength`,
-//!   `maxLength`, `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` (numbers; draft
-//!   4's boolean forms are refused), `enum`, `const`, `anyOf`, `oneOf` (enforced as `anyOf`: a value matching two
-//!   alternatives is not refused), `allOf` of one schema, `$ref` to `#`, `#/$defs/...` or
-//!   `#/definitions/...` (recursion allowed), `nullable` (OpenAPI);
+//!   `maxLength`, `pattern` ([`super::pattern`]), `minimum`, `maximum`, `exclusiveMinimum`,
+//!   `exclusiveMaximum` (numbers; draft 4's boolean forms are refused), `enum`, `const`, `anyOf`,
+//!   `oneOf` (enforced as `anyOf`: a value matching two alternatives is not refused), `allOf` of
+//!   one schema, `$ref` to `#`, `#/$defs/...` or `#/definitions/...` (recursion allowed),
+//!   `nullable` (OpenAPI);
+//! - `format` `date`, `time`, `date-time`, `uuid`, `ipv4` and `email` are checked on strings
+//!   (their shape); other formats are annotations, as JSON Schema 2020-12 treats them by default;
 //! - annotations are ignored: `title`, `description`, `default`, `examples`, `$schema`, `$id`,
-//!   `$comment`, `deprecated`, `readOnly`, `writeOnly`, `discriminator`, and `format` (JSON
-//!   Schema 2020-12 treats `format` as an annotation by default).
+//!   `$comment`, `deprecated`, `readOnly`, `writeOnly`, `discriminator`.
 //!
 //! Generation may produce a subset of the texts a schema allows: object keys are written exactly
 //! as `serde_json` escapes them, known keys at most once, `integer` without fraction or exponent,
 //! `enum` / `const` values in compact form.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde_json::Value;
+
+use super::pattern::{format_regex, Pattern};
 
 /// Index of a node in [`Schema::nodes`].
 pub(crate) type NodeId = usize;
@@ -39,8 +45,9 @@ pub(crate) enum Node {
     Object { props: Vec<(Vec<u8>, NodeId)>, required: u64, additional: Option<NodeId> },
     /// An array of `items`, `min..=max` long.
     Array { items: NodeId, min: u32, max: Option<u32> },
-    /// A string of `min..=max` characters.
-    String { min: u32, max: Option<u32> },
+    /// A string of `min..=max` characters, matching `pattern` (`pattern` or a checked
+    /// `format`) if given.
+    String { min: u32, max: Option<u32>, pattern: Option<Arc<Pattern>> },
     /// A number; `integer`: without fraction or exponent; `range`: its bounds (a bounded
     /// number is written without exponent).
     Number { integer: bool, range: Option<Range> },
@@ -101,7 +108,7 @@ const ANNOTATIONS: [&str; 12] = [
 
 /// Keywords this compiler enforces (for the error message).
 const SUPPORTED: &str = "type, properties, required, additionalProperties, items, minItems, maxItems, \
-     minLength, maxLength, minimum, maximum, exclusiveMinimum, exclusiveMaximum, enum, const, anyOf, oneOf, \
+     minLength, maxLength, pattern, minimum, maximum, exclusiveMinimum, exclusiveMaximum, enum, const, anyOf, oneOf, \
      allOf (of one schema), $ref, $defs, nullable";
 
 /// The bound keywords of numbers.
@@ -131,7 +138,7 @@ impl Schema {
             Node::Any,
             Node::Object { props: vec![], required: 0, additional: Some(ANY) },
             Node::Array { items: ANY, min: 0, max: None },
-            Node::String { min: 0, max: None },
+            Node::String { min: 0, max: None, pattern: None },
             Node::Number { integer: false, range: None },
             Node::Literals(vec![b"true".to_vec(), b"false".to_vec()]),
             Node::Literals(vec![b"null".to_vec()]),
@@ -150,7 +157,13 @@ impl Schema {
 
     /// Compile a JSON schema (see the module doc for what is enforced).
     pub fn compile(schema: &Value) -> Result<Schema, SchemaError> {
-        let mut c = Compiler { root: schema, nodes: Schema::base(), refs: HashMap::new(), relaxed: None };
+        let mut c = Compiler {
+            root: schema,
+            nodes: Schema::base(),
+            refs: HashMap::new(),
+            relaxed: None,
+            patterns: Default::default(),
+        };
         let root = c.node(schema, "$")?;
         Ok(Schema { nodes: c.nodes, root })
     }
@@ -161,7 +174,13 @@ impl Schema {
     /// schemas the caller did not write to constrain generation (tools' parameters). Returns the
     /// errors relaxed.
     pub fn compile_relaxed(schema: &Value) -> (Schema, Vec<SchemaError>) {
-        let mut c = Compiler { root: schema, nodes: Schema::base(), refs: HashMap::new(), relaxed: Some(vec![]) };
+        let mut c = Compiler {
+            root: schema,
+            nodes: Schema::base(),
+            refs: HashMap::new(),
+            relaxed: Some(vec![]),
+            patterns: Default::default(),
+        };
         let root = c.node(schema, "$").unwrap_or(ANY);
         let relaxed = c.relaxed.take().unwrap_or_default();
         (Schema { nodes: c.nodes, root }, relaxed)
@@ -175,6 +194,8 @@ struct Compiler<'a> {
     refs: HashMap<String, NodeId>,
     /// `Some`: relax what cannot be enforced ([`Schema::compile_relaxed`]), noting it here.
     relaxed: Option<Vec<SchemaError>>,
+    /// Patterns compiled so far (one DFA per distinct regex).
+    patterns: RefCell<HashMap<String, Arc<Pattern>>>,
 }
 
 fn err<T>(path: &str, message: impl Into<String>) -> Result<T, SchemaError> {
@@ -259,6 +280,7 @@ impl Compiler<'_> {
                 "maximum",
                 "exclusiveMinimum",
                 "exclusiveMaximum",
+                "pattern",
             ];
             if !known.contains(k) {
                 return err(&format!("{path}.{k}"), format!("`{k}` is not enforced (enforced: {SUPPORTED})"));
@@ -302,7 +324,7 @@ impl Compiler<'_> {
                     vec!["object"]
                 } else if ["items", "minItems", "maxItems"].iter().any(|k| m.contains_key(*k)) {
                     vec!["array"]
-                } else if m.contains_key("minLength") || m.contains_key("maxLength") {
+                } else if ["minLength", "maxLength", "pattern"].iter().any(|k| m.contains_key(*k)) {
                     vec!["string"]
                 } else if NUMERIC.iter().any(|k| m.contains_key(*k)) {
                     vec!["number"]
@@ -364,7 +386,8 @@ impl Compiler<'_> {
                 "array" => self.array(m, path)?,
                 "string" => {
                     let (min, max) = self.bounds(m, path, "minLength", "maxLength")?;
-                    self.push(Node::String { min, max })
+                    let pattern = self.pattern(m, path)?;
+                    self.push(Node::String { min, max, pattern })
                 }
                 "number" | "integer" => {
                     let integer = *t == "integer";
@@ -383,7 +406,7 @@ impl Compiler<'_> {
         let of = |k: &str| match k {
             "properties" | "required" | "additionalProperties" => Some("object"),
             "items" | "minItems" | "maxItems" => Some("array"),
-            "minLength" | "maxLength" => Some("string"),
+            "minLength" | "maxLength" | "pattern" => Some("string"),
             "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" => Some("number"),
             _ => None,
         };
@@ -464,6 +487,27 @@ impl Compiler<'_> {
             return err(path, format!("no {} lies in the bounds", if integer { "integer" } else { "number" }));
         }
         Ok(Some(r))
+    }
+
+    /// A string's `pattern`, or the regex of its `format` when that is one spark checks.
+    fn pattern(&self, m: &serde_json::Map<String, Value>, path: &str) -> Result<Option<Arc<Pattern>>, SchemaError> {
+        let format = m.get("format").and_then(Value::as_str).and_then(format_regex);
+        let (regex, at) = match (m.get("pattern"), format) {
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => {
+                return err(&format!("{path}.pattern"), "`pattern` beside a checked `format` is not enforced")
+            }
+            (Some(Value::String(p)), None) => (p.as_str(), format!("{path}.pattern")),
+            (Some(v), None) => return err(&format!("{path}.pattern"), format!("`pattern` must be a string, got {v}")),
+            (None, Some(r)) => (r, format!("{path}.format")),
+        };
+        match self.patterns.borrow_mut().entry(regex.to_string()) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(Some(e.get().clone())),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let p = Arc::new(Pattern::new(regex).map_err(|msg| SchemaError { path: at, message: msg })?);
+                Ok(Some(e.insert(p).clone()))
+            }
+        }
     }
 
     /// `min..max` from two optional non-negative integer keywords.
@@ -605,7 +649,10 @@ mod tests {
         let e = fails(json!({"type": "object", "properties": {"age": {"type": "integer", "multipleOf": 2}}}));
         assert_eq!(e.path, "$.properties.age.multipleOf");
         assert!(e.message.contains("not enforced"), "{e}");
-        assert_eq!(fails(json!({"type": "string", "pattern": "a+"})).path, "$.pattern");
+        assert_eq!(fails(json!({"type": "string", "pattern": "(?=a)"})).path, "$.pattern");
+        assert_eq!(fails(json!({"type": "string", "pattern": "a", "format": "date"})).path, "$.pattern");
+        assert_eq!(fails(json!({"type": "string", "pattern": 3})).path, "$.pattern");
+        assert_eq!(fails(json!({"type": "integer", "pattern": "a"})).path, "$.pattern");
         assert_eq!(fails(json!({"allOf": [{}, {}]})).path, "$.allOf");
         assert_eq!(fails(json!({"anyOf": [{}], "type": "string"})).path, "$.type");
         assert_eq!(fails(json!({"type": "strnig"})).path, "$.type");
@@ -627,7 +674,7 @@ mod tests {
             "type": "object",
             "properties": {
                 "age": {"type": "integer", "multipleOf": 2},
-                "tag": {"pattern": "^[a-z]+$"},
+                "tag": {"uniqueItems": true},
                 "ok": {"type": "boolean"},
                 "ref": {"$ref": "#/nowhere"}
             },
@@ -636,7 +683,7 @@ mod tests {
         assert!(Schema::compile(&s).is_err());
         let (c, relaxed) = Schema::compile_relaxed(&s);
         let paths: Vec<&str> = relaxed.iter().map(|e| e.path.as_str()).collect();
-        assert_eq!(paths, ["$.properties.age.multipleOf", "$.properties.tag.pattern", "$.properties.ref.$ref"]);
+        assert_eq!(paths, ["$.properties.age.multipleOf", "$.properties.tag.uniqueItems", "$.properties.ref.$ref"]);
         let Node::Object { props, required, .. } = &c.nodes[c.root] else { panic!("{:?}", c.nodes[c.root]) };
         assert_eq!(*required, 1);
         let node = |k: &str| &c.nodes[props.iter().find(|p| p.0 == k.as_bytes()).unwrap().1];

@@ -9,10 +9,11 @@
 //! - each K is one of the tool's declared parameters, at most once (any key, once, when the tool
 //!   declares none or sets `additionalProperties` to `true` or a schema);
 //! - each V is what the parser will type it as: when the parameter's schema allows strings only,
-//!   a raw string (its `minLength` / `maxLength` and `enum` enforced); when it allows no string,
-//!   JSON of the parameter's schema ([`Schema::compile_relaxed`]: keywords that are not enforced
-//!   are relaxed to the bare type, so nothing valid is refused); otherwise free text (the parser
-//!   keeps it as a string). Raw values and free text are well-formed UTF-8;
+//!   a raw string (its `minLength` / `maxLength`, `pattern` or checked `format`, and `enum`
+//!   enforced); when it allows no string, JSON of the parameter's schema
+//!   ([`Schema::compile_relaxed`]: keywords that are not enforced are relaxed to the bare type,
+//!   so nothing valid is refused); otherwise free text (the parser keeps it as a string). Raw
+//!   values and free text are well-formed UTF-8;
 //! - `</tool_call>` once every required parameter is given;
 //! - nothing between the markers (the official format has no whitespace there).
 //!
@@ -27,7 +28,10 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use regex_automata::util::primitives::StateID;
+
 use super::matcher::{utf8_lead, JsonMatcher};
+use super::pattern::Pattern;
 use super::schema::{Node, NodeId, Schema, SchemaError};
 use super::{ByteFilter, Constraint, TokenBytes};
 use crate::chat::toolcall::{schema_types, ToolSpec};
@@ -59,7 +63,7 @@ enum Rule {
     /// JSON of this node of the tool's schema.
     Json(NodeId),
     /// A raw string of `min..=max` characters.
-    Raw { min: u32, max: Option<u32> },
+    Raw { min: u32, max: Option<u32>, pattern: Option<Arc<Pattern>> },
     /// One of these raw strings.
     Enum(Vec<Vec<u8>>),
     /// Any text.
@@ -187,9 +191,10 @@ impl Tool {
 /// whitespace, control characters, `<`, `>`, `"` or `\`.
 fn free_key_prefix(k: &[u8]) -> bool {
     let mut u = Utf8::default();
-    k.len() <= MAX_FREE_KEY
-        && k.iter().all(|&c| !c.is_ascii_whitespace() && !c.is_ascii_control() && !b"<>\"\\".contains(&c))
+    k.iter().all(|&c| !c.is_ascii_whitespace() && !c.is_ascii_control() && !b"<>\"\\".contains(&c))
         && k.iter().all(|&c| u.push(c).is_some())
+        // Room for the rest of a character cut short.
+        && k.len() + usize::from(u.left) <= MAX_FREE_KEY
 }
 
 /// How the parser will read a parameter's value, from its declared schema (`None`: undeclared,
@@ -202,7 +207,7 @@ fn rule(schema: &Schema, node: NodeId, declared: Option<&Value>) -> Rule {
     }
     if types.iter().all(|t| t == "string") {
         return match &schema.nodes[resolve(schema, node)] {
-            &Node::String { min, max } => Rule::Raw { min, max },
+            Node::String { min, max, pattern } => Rule::Raw { min: *min, max: *max, pattern: pattern.clone() },
             Node::Literals(texts) if texts.iter().all(|t| t.first() == Some(&b'"')) => {
                 Rule::Enum(texts.iter().filter_map(|t| unescape(&t[1..t.len() - 1])).collect())
             }
@@ -260,7 +265,7 @@ impl Call {
 #[derive(Debug, Clone)]
 enum Val {
     Json(JsonMatcher),
-    Raw { min: u32, max: Option<u32>, chars: u32, utf8: Utf8 },
+    Raw { min: u32, max: Option<u32>, chars: u32, utf8: Utf8, re: Option<(Arc<Pattern>, StateID)> },
     Enum { cands: Vec<Vec<u8>>, buf: Vec<u8> },
     Text(Utf8),
 }
@@ -269,7 +274,13 @@ impl Val {
     fn new(tool: &Tool, param: Option<usize>) -> Val {
         match param.map(|i| &tool.params[i].rule) {
             Some(&Rule::Json(n)) => Val::Json(JsonMatcher::at(tool.schema.clone(), n)),
-            Some(&Rule::Raw { min, max }) => Val::Raw { min, max, chars: 0, utf8: Utf8::default() },
+            Some(Rule::Raw { min, max, pattern }) => Val::Raw {
+                min: *min,
+                max: *max,
+                chars: 0,
+                utf8: Utf8::default(),
+                re: pattern.as_ref().map(|p| (p.clone(), p.start())),
+            },
             Some(Rule::Enum(c)) => Val::Enum { cands: c.clone(), buf: vec![] },
             Some(Rule::Text) | None => Val::Text(Utf8::default()),
         }
@@ -278,12 +289,16 @@ impl Val {
     fn push(&mut self, bytes: &[u8]) -> bool {
         match self {
             Val::Json(m) => m.push_all(bytes),
-            Val::Raw { max, chars, utf8, .. } => bytes.iter().all(|&c| match utf8.push(c) {
-                Some(new) => {
-                    *chars += u32::from(new);
-                    max.is_none_or(|m| *chars <= m)
+            Val::Raw { max, chars, utf8, re, .. } => bytes.iter().all(|&c| {
+                let Some(new) = utf8.push(c) else { return false };
+                *chars += u32::from(new);
+                if let Some((p, s)) = re {
+                    match p.step(*s, c) {
+                        Some(n) => *s = n,
+                        None => return false,
+                    }
                 }
-                None => false,
+                max.is_none_or(|m| *chars <= m)
             }),
             Val::Enum { cands, buf } => {
                 buf.extend_from_slice(bytes);
@@ -297,7 +312,9 @@ impl Val {
     fn can_end(&self) -> bool {
         match self {
             Val::Json(m) => m.can_end(),
-            Val::Raw { min, chars, utf8, .. } => utf8.left == 0 && chars >= min,
+            Val::Raw { min, chars, utf8, re, .. } => {
+                utf8.left == 0 && chars >= min && re.as_ref().is_none_or(|(p, s)| p.accepts(*s))
+            }
             Val::Enum { cands, buf } => cands.iter().any(|c| c == buf),
             Val::Text(u) => u.left == 0,
         }
@@ -597,7 +614,8 @@ mod tests {
                     "label": {"type": "string", "maxLength": 3},
                     "on": {"type": "boolean"},
                     "ids": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
-                    "note": {"type": ["string", "null"]}
+                    "note": {"type": ["string", "null"]},
+                    "code": {"type": "string", "pattern": "^[A-Z]{2}$"}
                 },
                 "required": ["mode"],
                 "additionalProperties": false}}},
@@ -634,7 +652,8 @@ mod tests {
             "<tool_call>tap_long</tool_call><tool_call>open<arg_key>any.key-1</arg_key><arg_value>x y</arg_value></tool_call>",
             "<tool_call>set_mode<arg_key>on</arg_key><arg_value>true</arg_value><arg_key>mode</arg_key>\
              <arg_value>light</arg_value><arg_key>label</arg_key><arg_value>é<></arg_value><arg_key>ids</arg_key>\
-             <arg_value>[1, -2]</arg_value><arg_key>note</arg_key><arg_value>anything: 1</arg_value></tool_call>",
+             <arg_value>[1, -2]</arg_value><arg_key>note</arg_key><arg_value>anything: 1</arg_value><arg_key>code</arg_key>\
+             <arg_value>QZ</arg_value></tool_call>",
         ] {
             assert!(accepts(ok), "{ok}");
         }
@@ -649,6 +668,9 @@ mod tests {
             "<tool_call>tap<arg_key>index</arg_key><arg_value>1</arg_value> </tool_call>",
             "<tool_call>tap<arg_key>index</arg_key><arg_value>1</arg_value><arg_key>index</arg_key><arg_value>2</arg_value></tool_call>",
             "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>dim</arg_value></tool_call>",
+            "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>dark</arg_value><arg_key>code</arg_key><arg_value>ABC</arg_value></tool_call>",
+            "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>dark</arg_value><arg_key>code</arg_key><arg_value>A</arg_value></tool_call>",
+            "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>dark</arg_value><arg_key>code</arg_key><arg_value>\"AB\"</arg_value></tool_call>",
             "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>darker</arg_value></tool_call>",
             "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>\"dark\"</arg_value></tool_call>",
             "<tool_call>set_mode<arg_key>mode</arg_key><arg_value>dark</arg_value><arg_key>label</arg_key><arg_value>abcd</arg_value></tool_call>",
@@ -763,6 +785,10 @@ mod tests {
                         if let Some(ids) = args.get("ids") {
                             let ids = ids.as_array().unwrap();
                             assert!(ids.len() <= 2 && ids.iter().all(|i| i.is_i64() || i.is_u64()), "{s:?}");
+                        }
+                        if let Some(code) = args.get("code") {
+                            let code = code.as_str().unwrap();
+                            assert!(code.len() == 2 && code.bytes().all(|b| b.is_ascii_uppercase()), "{s:?}");
                         }
                         if let Some(on) = args.get("on") {
                             assert!(on.is_boolean(), "{s:?}");
