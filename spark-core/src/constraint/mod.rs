@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 pub mod matcher;
-mod pattern;
+pub mod pattern;
 pub mod schema;
 pub mod toolcall;
 
