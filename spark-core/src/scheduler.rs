@@ -86,7 +86,8 @@ pub struct Request {
     /// `(token, bias)`: added to the token's logit before sampling and log-probabilities
     /// (OpenAI `logit_bias`; -100 all but bans a token, +100 all but forces it).
     pub logit_bias: Vec<(u32, f32)>,
-    /// Which tokens may come next (JSON mode); `None` for free generation.
+    /// Which tokens may come next (JSON output, tool calls held to their schemas); `None` for
+    /// free generation.
     pub constraint: Constrain,
     /// Prompt positions after which the sequence's KV is worth keeping for later requests
     /// (e.g. the end of the system block, the start of the reply); see the module docs.

@@ -3,14 +3,17 @@
 //! - [`Constraint`]: the hook the scheduler consults before it accepts a sampled token.
 //! - [`Json`]: JSON output (OpenAI `response_format` `json_object` and `json_schema`): the output
 //!   (after the reasoning, when thinking is on) is one JSON value its [`Schema`] allows, then
-//!   end-of-sequence. [`schema`] compiles JSON Schema, [`matcher`] runs it on bytes.
+//!   end-of-sequence. [`schema`] compiles JSON Schema, [`pattern`] its regexes, [`matcher`]
+//!   runs it on bytes.
 //! - [`ToolCalls`]: Spark's tool-call markup held to the offered tools' schemas ([`toolcall`]),
 //!   and, when `tool_choice` requires a call, no end before one has closed.
 //! - [`EndAfter`]: end-of-sequence refused until a given token has come (a required tool call,
 //!   for tokenizers without the markup's tokens).
 //!
 //! A constraint judges tokens by their bytes ([`crate::tokenizer::Tokenizer::token_bytes`]), so
-//! a UTF-8 character split over tokens is fine.
+//! a UTF-8 character split over tokens is fine. Judging every token of a large vocabulary (the
+//! scheduler's fallback) is kept cheap by a filter on a token's first bytes, computed once per
+//! step (`ByteFilter`).
 
 use std::sync::Arc;
 
