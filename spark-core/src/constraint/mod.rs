@@ -194,4 +194,85 @@ mod tests {
         assert!(c.allows(eos));
         assert!((0..eos).all(|t| !c.allows(t)));
     }
+
+    /// The cost of judging every token of a Spark-sized vocabulary (the scheduler's fallback
+    /// after 8 refusals), in a few states of each constraint. A synthetic vocabulary of 131072
+    /// tokens (the 256 bytes, then random 1-9 letter words, half with a leading space); prints ms
+    /// per full check. Not a pass/fail test:
+    /// `cargo test --release -p spark-core full_vocabulary_check_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement; run by hand"]
+    fn full_vocabulary_check_cost() {
+        use serde_json::json;
+        let mut rng = 0x1234_5678u64;
+        let mut next = move |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let alpha = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 .,:;\"{}[]-_\n";
+        let mut v: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
+        while v.len() < 131072 - 16 {
+            let mut w: Vec<u8> = (0..1 + next(9)).map(|_| alpha[next(26) as usize]).collect();
+            if next(2) == 0 {
+                w.insert(0, b' ');
+            }
+            if next(20) == 0 {
+                w[0] = alpha[next(alpha.len() as u64) as usize];
+            }
+            v.push(Some(w));
+        }
+        let base = v.len() as u32;
+        v.extend((0..16).map(|_| None));
+        let eos = base + 15;
+        let bytes: TokenBytes = Arc::new(v);
+        let n = bytes.len() as u32;
+        let time = |label: &str, c: &dyn Constraint| {
+            let t = std::time::Instant::now();
+            let mut allowed = 0;
+            for _ in 0..5 {
+                allowed = (0..n).filter(|&t| c.allows(t)).count();
+            }
+            let ms = t.elapsed().as_secs_f64() * 1000.0 / 5.0;
+            println!("{label:<28} {allowed:>7} allowed  {ms:6.2} ms per full check");
+        };
+        let schema = Arc::new(
+            Schema::compile(&json!({"type": "object", "properties": {"name": {"type": "string"},
+                "size": {"type": "integer", "minimum": 0}}, "required": ["name", "size"]}))
+            .unwrap(),
+        );
+        let feed = |c: &mut dyn Constraint, text: &[u8]| text.iter().for_each(|&b| c.advance(b.into()));
+        let j = Json::new(bytes.clone(), vec![eos], None, schema.clone());
+        time("json: start", &j);
+        let mut j = Json::new(bytes.clone(), vec![eos], None, schema.clone());
+        feed(&mut j, b"{\"name\": \"abc");
+        time("json: in a string", &j);
+        let mut j = Json::new(bytes.clone(), vec![eos], None, schema.clone());
+        feed(&mut j, b"{\"name\": \"abc\", \"size\": 12");
+        time("json: in a bounded number", &j);
+        let tools = crate::chat::toolcall::ToolSpec::from_openai(&json!([{"type": "function", "function": {
+            "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+            "opts": {"type": "object"}}, "required": ["city"]}}}]));
+        let m = Markers {
+            tool_call: base,
+            end_tool_call: base + 1,
+            arg_key: base + 2,
+            end_arg_key: base + 3,
+            arg_value: base + 4,
+            end_arg_value: base + 5,
+        };
+        let grammar = Arc::new(ToolGrammar::new(&tools).0);
+        let mut c = ToolCalls::new(grammar, bytes.clone(), vec![eos], m, None, false);
+        time("tools: content", &c);
+        c.advance(m.tool_call);
+        time("tools: the name", &c);
+        feed(&mut c, b"get_weather");
+        c.advance(m.arg_key);
+        feed(&mut c, b"opts");
+        c.advance(m.end_arg_key);
+        c.advance(m.arg_value);
+        feed(&mut c, b"{\"q\": \"x");
+        time("tools: in a JSON value", &c);
+    }
 }
