@@ -520,6 +520,7 @@ fn map_file(path: &Path) -> Result<Arc<Mmap>> {
     // truncating the file while it is mapped would make reads fault; that is the usual contract
     // of memory-mapped model files (llama.cpp, safetensors), as in `weights.rs`.
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::model(format!("cannot map {}: {e}", path.display())))?;
+    crate::memory::advise_huge_pages(&map);
     Ok(Arc::new(map))
 }
 
