@@ -11,10 +11,12 @@
 //! - [`attention`]: attention over the KV cache (ring for sliding layers, growing for full).
 //! - [`ops`]: RMSNorm, RoPE, head gate, GEGLU, residual add.
 //! - [`weights`]: how uploaded weights are held.
+//! - [`huge_pages`]: zeroed buffers on transparent huge pages (quantized weights).
 //! - [`roofline`]: measured read bandwidth and FMA peak (the ceilings `bench` reports against).
 //! - [`plugin`]: the backend as a factory, exported as the `spark_backend_v1` plugin entry.
 
 pub mod attention;
+pub mod huge_pages;
 pub mod kernels;
 pub mod ops;
 pub mod plugin;

@@ -6,20 +6,35 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
+use crate::huge_pages::HugeBytes;
 use crate::kernels::Simd;
 
 /// Bytes per second of a streaming read of a buffer much larger than the caches, on `threads`
 /// threads (best of `reps` passes over `bytes`). Each thread reads its own contiguous part with
 /// the widest loads this CPU has and software prefetch 1 KiB ahead, as the decode kernels do
 /// (a plain scalar loop left about a third of the bandwidth unused on Sapphire Rapids, below
-/// what the GEMVs themselves reach).
+/// what the GEMVs themselves reach), from a buffer on transparent huge pages where the kernel
+/// gives them.
 pub fn read_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
     let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build() {
         Ok(p) => p,
         Err(_) => return 0.0,
     };
     let n = bytes / 8;
-    let buf: Vec<u64> = pool.install(|| (0..n).into_par_iter().map(|i| i as u64).collect());
+    // On huge pages, as the quantized weights are ([`HugeBytes`]): the ceiling is what the
+    // memory gives, not what 4 KiB pages' TLB misses leave of it.
+    let mut raw = HugeBytes::zeroed(n * 8);
+    let mut unaligned_fallback = Vec::new();
+    let buf: &mut [u64] = match bytemuck::try_cast_slice_mut(&mut raw[..]) {
+        Ok(b) => b,
+        // A plain vector's bytes need not be 8-aligned.
+        Err(_) => {
+            unaligned_fallback.resize(n, 0u64);
+            &mut unaligned_fallback
+        }
+    };
+    pool.install(|| buf.par_iter_mut().enumerate().for_each(|(i, v)| *v = i as u64));
+    let buf: &[u64] = buf;
     let per = n.div_ceil(threads.max(1));
     let simd = Simd::detect();
     let mut best = 0.0f64;

@@ -53,6 +53,7 @@ use spark_core::quant::{QFormat, QTensor};
 use spark_core::DType;
 
 use super::{Prefetcher, QSimd, SharedOut};
+use crate::huge_pages::HugeBytes;
 
 /// Activation block (values sharing one int8 scale).
 pub const QBLOCK: usize = 32;
@@ -451,7 +452,8 @@ pub struct QMat {
     /// Groups per row (`cols / group`).
     pub ng: usize,
     pub mode: ScaleMode,
-    data: Vec<u8>,
+    /// On transparent huge pages where the kernel gives them ([`HugeBytes`]).
+    data: HugeBytes,
     /// Offset of the first row in `data` (64-byte aligned).
     off: usize,
     /// `[rows, ng]`: f16 when [`QTensor::sides_fit_f16`], else shared with the [`QTensor`].
@@ -564,7 +566,7 @@ impl QMat {
         };
         // Zeroed (the allocator's fresh pages): int8 padding is q = 0; int4 and int6 rows are
         // written whole below, their padding as 8 or 32 (q = 0).
-        let mut data = vec![0u8; rows * rb + 64];
+        let mut data = HugeBytes::zeroed(rows * rb + 64);
         let off = data.as_ptr().align_offset(64).min(64);
         // Rows in parallel (the pages are first touched here, by the worker that fills them),
         // 64 rows per task.
