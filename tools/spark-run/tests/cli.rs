@@ -523,6 +523,8 @@ fn bench_json_has_the_documented_fields() {
             "precision",
             "load_s",
             "rss_anon_settled_gb",
+            "huge_pages_anon_gb",
+            "huge_pages_file_gb",
             "logit_snr_db",
             "logit_snr_db_decode",
             "greedy_agree_decode",

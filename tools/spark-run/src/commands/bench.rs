@@ -1,7 +1,8 @@
 //! `spark-run bench`: prefill (ppN) and decode (tgN) throughput, in llama-bench's spirit:
 //! each test repeated `-r` times, mean and standard deviation of tokens/s reported; for decode
 //! the weight bytes one step reads and the share of the machine's measured read-bandwidth
-//! roofline; load time, peak and settled anonymous memory (RssAnon); and, with `--snr`, the logit
+//! roofline; load time, peak and settled anonymous memory (RssAnon), how much of it and of the
+//! mapped files sit on transparent huge pages; and, with `--snr`, the logit
 //! SNR and greedy agreement of this (quantized) model against f32 on a fixed prompt, both as one
 //! prefill step and fed one token per step (the decode path, whose kernels differ).
 //! `--roofline` measures and prints the machine's read bandwidth and f32 FMA peak.
@@ -118,6 +119,20 @@ pub fn rss_anon() -> u64 {
         .find_map(|l| l.strip_prefix("RssAnon:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |k| k * 1024)
+}
+
+/// Bytes of this process's memory on huge pages: anonymous (`AnonHugePages`: the repacked
+/// quantized weights) and file-backed mapped whole (`FilePmdMapped`: a mapped checkpoint), from
+/// `/proc/self/smaps_rollup` (zeros where it is missing).
+pub fn huge_page_bytes() -> (u64, u64) {
+    let Ok(s) = std::fs::read_to_string("/proc/self/smaps_rollup") else { return (0, 0) };
+    let field = |name: &str| {
+        s.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |k| k * 1024)
+    };
+    (field("AnonHugePages:"), field("FilePmdMapped:"))
 }
 
 /// Samples RssAnon every few milliseconds in a background thread and keeps the peak.
@@ -547,6 +562,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         });
     }
     let settled = rss_anon();
+    let (huge_anon, huge_file) = huge_page_bytes();
 
     // Fidelity against f32.
     let mut snr = None;
@@ -585,7 +601,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "bytes_per_token": r.bytes_per_token, "roofline_pct": r.roofline_pct,
                 "ubatch": (r.test.starts_with("pp") && a.ubatch > 0).then_some(a.ubatch), "depth": a.depth,
                 "read_bw_gb_s": (bw > 0.0).then_some(bw / 1e9), "load_s": l.load_time.as_secs_f64(),
-                "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0))});
+                "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0)),
+                "huge_pages_anon_gb": gb(huge_anon), "huge_pages_file_gb": gb(huge_file)});
             if let Some(((s, ag), (sd, agd), n)) = snr {
                 o["logit_snr_db"] = serde_json::json!(s);
                 o["greedy_agree"] = serde_json::json!(ag as f64 / n as f64);
@@ -617,6 +634,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
             bytes_per_token / 1e9,
             if bw > 0.0 { format!("; measured read bandwidth {:.1} GB/s", bw / 1e9) } else { String::new() }
         );
+        if huge_anon + huge_file > 0 {
+            println!(
+                "on transparent huge pages: {:.2} GB anonymous (repacked weights), {:.2} GB of mapped files \
+                 (SPARK_HUGE_PAGES=0 turns the advice off)",
+                gb(huge_anon),
+                gb(huge_file)
+            );
+        }
         if let Some(((s, ag), (sd, agd), n)) = snr {
             println!(
                 "fidelity vs f32 on a fixed {n}-token prompt: logit SNR {s:.1} dB, greedy agreement {ag}/{n} \
