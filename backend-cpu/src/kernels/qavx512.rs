@@ -12,7 +12,9 @@
 //! `-zero *` the activations' 4-column sums instead of 0; except on int4 with grid sides
 //! (`spark-run quantize`'s int4, the decode path), where it comes off in f32 with the bias
 //! term, once per super-block and row (`sum_g (bias_g - 8 scale_g) A_g`), and the scale
-//! products are formed once per super-block too: a third fewer operations per chunk. Int4 and
+//! products are formed once per super-block too: a third fewer operations per chunk; and whose
+//! rows are read two chunks per plain 64-byte load (low nibbles of both chunks, then their high
+//! nibbles, against activations regrouped to match), which spares the broadcast. Int4 and
 //! int6 with f16 or f32 scales per 32-block on whole super-blocks form their scale products
 //! once per super-block as well (`PairSuper`; the zero point stays in `vpdpbusd`'s start). Int6
 //! chunks are unpacked to `0..=63` in column order (`I6`: two broadcast loads, a shift, a
@@ -309,6 +311,8 @@ union Idx {
 }
 /// Lanes 0-7 from element 0, 8-15 from element 1.
 const IDX2: Idx = Idx { a: [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1] };
+/// Lanes 0-7 from element 0, 8-15 from element 2 (a chunk pair's low-nibble blocks).
+const IDX_PAIR: Idx = Idx { a: [0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2] };
 /// Four lanes from each of elements 0..4.
 const IDX4: Idx = Idx { a: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3] };
 
@@ -404,6 +408,45 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                     sd[r][t] = _mm512_castps256_ps512(_mm256_mul_ps(s8, d8[t]));
                 }
             }
+        }
+        if S::GRID && F::UNPACK {
+            // Int4 on grids: two chunks of a row per plain 64-byte load, no broadcast (a
+            // shuffle per row and chunk, which with the permute bound this tile on a Zen 4).
+            // Masked twice, the load gives the low nibbles of chunks `c` and `c + 1` (blocks
+            // `2j` and `2j + 2`) and their high nibbles in place (blocks `2j + 1` and `2j + 3`,
+            // times 16); the activations are regrouped to match, two shuffles per token shared
+            // by the tile's rows. The same four-column sums, each block's product scaled by the
+            // same f32 value; only the order of the f32 additions differs.
+            for j in (0..per).step_by(2) {
+                let c = c0 + j;
+                pf.advance();
+                pf.advance();
+                let (m_lo, m_hi) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0xF0u8 as i8));
+                let mut lo = [_mm512_setzero_si512(); R];
+                let mut hi = [_mm512_setzero_si512(); R];
+                for r in 0..R {
+                    let v = _mm512_loadu_si512(a.w.add(r * a.row_bytes + c * 32) as *const _);
+                    lo[r] = _mm512_and_si512(v, m_lo);
+                    hi[r] = _mm512_and_si512(v, m_hi);
+                }
+                let idx_lo = _mm512_add_epi32(IDX_PAIR.v, _mm512_set1_epi32(2 * j as i32));
+                let idx_hi = _mm512_add_epi32(idx_lo, _mm512_set1_epi32(1));
+                for t in 0..T {
+                    let q0 = _mm512_loadu_si512(a.q.add(t * a.kp + c * QCHUNK) as *const _);
+                    let q1 = _mm512_loadu_si512(a.q.add(t * a.kp + (c + 1) * QCHUNK) as *const _);
+                    // [q0 columns 0-31, q1 columns 0-31] and [q0 32-63, q1 32-63].
+                    let q_lo = _mm512_shuffle_i64x2::<0x44>(q0, q1);
+                    let q_hi = _mm512_shuffle_i64x2::<0xEE>(q0, q1);
+                    for r in 0..R {
+                        let z = _mm512_setzero_si512();
+                        let pl = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, lo[r], q_lo));
+                        let ph = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, hi[r], q_hi));
+                        acc[r][t] = _mm512_fmadd_ps(pl, _mm512_permutexvar_ps(idx_lo, sd[r][t]), acc[r][t]);
+                        acc[r][t] = _mm512_fmadd_ps(ph, _mm512_permutexvar_ps(idx_hi, sd[r][t]), acc[r][t]);
+                    }
+                }
+            }
+            continue;
         }
         for j in 0..per {
             let c = c0 + j;
