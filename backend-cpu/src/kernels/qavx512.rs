@@ -12,11 +12,12 @@
 //! `-zero *` the activations' 4-column sums instead of 0; except on int4 with grid sides
 //! (`spark-run quantize`'s int4, the decode path), where it comes off in f32 with the bias
 //! term, once per super-block and row (`sum_g (bias_g - 8 scale_g) A_g`), and the scale
-//! products are formed once per super-block too: a third fewer operations per chunk; and whose
-//! rows are read two chunks per plain 64-byte load (low nibbles of both chunks, then their high
-//! nibbles, against activations regrouped to match), which spares the broadcast. Int4 and
+//! products are formed once per super-block too: a third fewer operations per chunk. Int4 and
 //! int6 with f16 or f32 scales per 32-block on whole super-blocks form their scale products
-//! once per super-block as well (`PairSuper`; the zero point stays in `vpdpbusd`'s start). Int6
+//! once per super-block as well (`PairSuper`; the zero point stays in `vpdpbusd`'s start).
+//! Int4 on whole super-blocks (grids or `PairSuper`) reads a row two chunks per plain 64-byte
+//! load (the low nibbles of both chunks, then their high nibbles, against activations and
+//! 4-column sums regrouped to match), which spares the broadcast per chunk. Int6
 //! chunks are unpacked to `0..=63` in column order (`I6`: two broadcast loads, a shift, a
 //! rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F, AVX-512BW
 //! and AVX-512 VNNI (and F16C, for f16 scales).
@@ -33,6 +34,8 @@ use super::qmatmul::{ScaleMode, SideEl, TileArgs, I6_CHUNK_BYTES, QBLOCK, QCHUNK
 trait Fmt {
     /// Whether the weight bytes are unpacked from nibbles (extra registers).
     const UNPACK: bool = false;
+    /// Int4: whole super-blocks read two chunks per plain load (see [`tile`]).
+    const PAIRED: bool = false;
     /// The zero point of the stored values, in the units of the scales (what [`Fmt::start`]
     /// takes off; the grid tiles take it off with the bias term instead).
     const ZERO: i32;
@@ -72,6 +75,7 @@ impl Fmt for I8 {
 
 impl Fmt for I4 {
     const UNPACK: bool = true;
+    const PAIRED: bool = true;
     const ZERO: i32 = 8;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
@@ -409,8 +413,8 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                 }
             }
         }
-        if S::GRID && F::UNPACK {
-            // Int4 on grids: two chunks of a row per plain 64-byte load, no broadcast (a
+        if S::SUPER && F::PAIRED {
+            // Int4 on whole super-blocks: two chunks of a row per plain 64-byte load, no broadcast (a
             // shuffle per row and chunk, which with the permute bound this tile on a Zen 4).
             // Masked twice, the load gives the low nibbles of chunks `c` and `c + 1` (blocks
             // `2j` and `2j + 2`) and their high nibbles in place (blocks `2j + 1` and `2j + 3`,
@@ -437,10 +441,23 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                     // [q0 columns 0-31, q1 columns 0-31] and [q0 32-63, q1 32-63].
                     let q_lo = _mm512_shuffle_i64x2::<0x44>(q0, q1);
                     let q_hi = _mm512_shuffle_i64x2::<0xEE>(q0, q1);
+                    // The zero point: with grids it comes off with the bias term, in f32;
+                    // otherwise each `vpdpbusd` starts from `-8 *` (low nibbles) or `-128 *`
+                    // (high nibbles in place) the 4-column sums, regrouped like the activations.
+                    let (z_lo, z_hi) = if S::GRID {
+                        (_mm512_setzero_si512(), _mm512_setzero_si512())
+                    } else {
+                        let s0 = _mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _);
+                        let s1 = _mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + (c + 1) * 16) as *const _);
+                        let zero = _mm512_setzero_si512();
+                        (
+                            _mm512_sub_epi32(zero, _mm512_slli_epi32::<3>(_mm512_shuffle_i64x2::<0x44>(s0, s1))),
+                            _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(_mm512_shuffle_i64x2::<0xEE>(s0, s1))),
+                        )
+                    };
                     for r in 0..R {
-                        let z = _mm512_setzero_si512();
-                        let pl = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, lo[r], q_lo));
-                        let ph = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, hi[r], q_hi));
+                        let pl = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z_lo, lo[r], q_lo));
+                        let ph = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z_hi, hi[r], q_hi));
                         acc[r][t] = _mm512_fmadd_ps(pl, _mm512_permutexvar_ps(idx_lo, sd[r][t]), acc[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(ph, _mm512_permutexvar_ps(idx_hi, sd[r][t]), acc[r][t]);
                     }
