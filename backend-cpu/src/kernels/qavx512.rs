@@ -425,6 +425,11 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                 let c = c0 + j;
                 pf.advance();
                 pf.advance();
+                if !S::GRID && c % SIDE_STEP == 0 {
+                    // The sides' prefetch, once per super-block (the grid tiles step it above).
+                    ps.advance();
+                    pb.advance();
+                }
                 let (m_lo, m_hi) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0xF0u8 as i8));
                 let mut lo = [_mm512_setzero_si512(); R];
                 let mut hi = [_mm512_setzero_si512(); R];
