@@ -470,17 +470,19 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
             }
             continue;
         }
+        // Past here no grids: they are int4 on whole super-blocks and took the paired path.
+        const { assert!(!S::GRID || (S::SUPER && F::PAIRED), "grid tiles take the paired path") };
         for j in 0..per {
             let c = c0 + j;
             pf.advance();
-            if !S::GRID && c % SIDE_STEP == 0 {
+            if c % SIDE_STEP == 0 {
                 ps.advance();
                 pb.advance();
             }
             let mut wv = [_mm512_setzero_si512(); R];
             let mut sv = [_mm512_setzero_ps(); R];
-            // With grids or whole super-blocks, this chunk's two blocks: lanes 0-7 from product
-            // `2j`, 8-15 from `2j + 1`.
+            // On whole super-blocks, this chunk's two blocks: lanes 0-7 from product `2j`, 8-15
+            // from `2j + 1`.
             let idx = _mm512_add_epi32(IDX2.v, _mm512_set1_epi32(2 * j as i32));
             for r in 0..R {
                 wv[r] = F::chunk(a.w.add(r * a.row_bytes), c);
@@ -496,12 +498,7 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
                     let d2 = _mm_castsi128_ps(_mm_loadl_epi64(a.d.add(t * nb + 2 * c) as *const __m128i));
                     F::act_scales(_mm512_permutexvar_ps(IDX2.v, _mm512_castps128_ps512(d2)))
                 };
-                // With grids the zero point comes off with the bias term, in f32.
-                let z = if S::GRID {
-                    _mm512_setzero_si512()
-                } else {
-                    F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _))
-                };
+                let z = F::start(_mm512_loadu_si512(a.s4.add(t * (a.kp / 4) + c * 16) as *const _));
                 for r in 0..R {
                     let p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, wv[r], q));
                     let scale = if S::SUPER {

@@ -103,36 +103,30 @@ fn stats(v: &[f64]) -> (f64, f64) {
     (m, var.sqrt())
 }
 
-/// `MemAvailable` of this machine in bytes (`None` where /proc is missing).
-fn mem_available() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
+/// The `name:` line of a `/proc` text in `kB`, in bytes (`None` where it is missing).
+fn proc_kb(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map(|k| k * 1024)
 }
 
+/// `MemAvailable` of this machine in bytes (`None` where /proc is missing).
+fn mem_available() -> Option<u64> {
+    proc_kb(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemAvailable")
+}
+
 /// `RssAnon` of this process in bytes (0 where /proc is missing).
 pub fn rss_anon() -> u64 {
-    let Ok(s) = std::fs::read_to_string("/proc/self/status") else { return 0 };
-    s.lines()
-        .find_map(|l| l.strip_prefix("RssAnon:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |k| k * 1024)
+    std::fs::read_to_string("/proc/self/status").ok().and_then(|s| proc_kb(&s, "RssAnon")).unwrap_or(0)
 }
 
 /// Bytes of this process's memory on huge pages: anonymous (`AnonHugePages`: the repacked
 /// quantized weights) and file-backed mapped whole (`FilePmdMapped`: a mapped checkpoint), from
 /// `/proc/self/smaps_rollup` (zeros where it is missing).
 pub fn huge_page_bytes() -> (u64, u64) {
-    let Ok(s) = std::fs::read_to_string("/proc/self/smaps_rollup") else { return (0, 0) };
-    let field = |name: &str| {
-        s.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map_or(0, |k| k * 1024)
-    };
-    (field("AnonHugePages:"), field("FilePmdMapped:"))
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+    (proc_kb(&s, "AnonHugePages").unwrap_or(0), proc_kb(&s, "FilePmdMapped").unwrap_or(0))
 }
 
 /// Samples RssAnon every few milliseconds in a background thread and keeps the peak.
