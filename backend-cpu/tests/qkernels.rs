@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use spark_backend_cpu::kernels::matmul::{matmul, quant_panels, Mat, AVX2_QUANT_PANEL_MIN_TOKENS};
-use spark_backend_cpu::kernels::qmatmul::{qmatmul, qmatmul_quantized, quant_matmul, QAct, QMat};
+use spark_backend_cpu::kernels::qmatmul::{qmatmul, qmatmul_quantized, quant_matmul, I6Layout, QAct, QMat};
 use spark_backend_cpu::kernels::QSimd;
 use spark_backend_cpu::{CpuBackend, CpuTensor, Simd};
 use spark_core::backend::{Backend, WeightRole};
@@ -113,6 +113,16 @@ fn combos(cols: usize) -> Vec<(QFormat, usize, bool, bool, &'static str)> {
     all.into_iter().filter(|&(f, g, _, _, _)| cols.is_multiple_of(g) && cols.is_multiple_of(f.col_multiple())).collect()
 }
 
+/// The int6 layouts for `format` (every level reads both, whichever this CPU would build); one
+/// for the other formats, which ignore it.
+fn layouts(format: QFormat) -> &'static [I6Layout] {
+    if format == QFormat::I6 {
+        &[I6Layout::Split, I6Layout::Groups]
+    } else {
+        &[I6Layout::Split]
+    }
+}
+
 /// The integer levels this CPU has (the others are skipped, said once per test binary).
 fn levels() -> Vec<QSimd> {
     static SAID: std::sync::Once = std::sync::Once::new();
@@ -181,21 +191,23 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
             let deq = qt.dequantize();
             // f32 or f16 sides as the combo says, at every level (whichever this CPU would
             // choose by itself).
-            let w = QMat::with_sides(&qt, half);
-            assert_eq!(w.half_sides(), half && group < cols, "{what}: f16 sides");
-            modes.insert(format!("{:?}{}", w.mode, if w.half_sides() { " f16" } else { "" }));
-            for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
-                let x = random_x(n, cols, &mut seed);
-                let act = QAct::quantize(&x, n, cols, &w);
-                let (want, mag) = f64_reference(&deq, &act, rows, cols);
-                for qs in levels() {
-                    for pool in &pools {
-                        let mut out = vec![f32::NAN; n * rows];
-                        pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
-                        let threads = pool.current_num_threads();
-                        assert_matches_reference(&out, &want, &mag, || {
-                            format!("{what} {qs:?} {threads} threads n={n} cols={cols} rows={rows}")
-                        });
+            for &layout in layouts(format) {
+                let w = QMat::with_layout(&qt, half, layout);
+                assert_eq!(w.half_sides(), half && group < cols, "{what}: f16 sides");
+                modes.insert(format!("{:?}{}", w.mode, if w.half_sides() { " f16" } else { "" }));
+                for &n in &[1usize, 2, 3, 5, 17, 26, 33] {
+                    let x = random_x(n, cols, &mut seed);
+                    let act = QAct::quantize(&x, n, cols, &w);
+                    let (want, mag) = f64_reference(&deq, &act, rows, cols);
+                    for qs in levels() {
+                        for pool in &pools {
+                            let mut out = vec![f32::NAN; n * rows];
+                            pool.install(|| qmatmul_quantized(qs, &act, &w, &mut out, DType::F32));
+                            let threads = pool.current_num_threads();
+                            assert_matches_reference(&out, &want, &mag, || {
+                                format!("{what} {qs:?} {threads} threads n={n} cols={cols} rows={rows}")
+                            });
+                        }
                     }
                 }
             }
@@ -529,30 +541,32 @@ fn avx2_float_scale_prefill_panels_match_f64_reference() {
     for &(cols, rows) in &[(192usize, 13usize), (2112, 9), (576, 21)] {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = as_held(&random_q(rows, cols, format, group, bias, half, &mut seed), half);
-            let w = QMat::with_sides(&qt, half).with_sub_scales();
-            if w.sub_scales().is_some() {
-                continue;
-            }
-            let deq = qt.dequantize();
-            for &n in &[32usize, 39] {
-                assert!(qprefill_avx2::takes(QSimd::Avx2, &w, n));
-                let x = random_x(n, cols, &mut seed);
-                let (want, mag) = if format == QFormat::I8 {
-                    let v = act16(&x, n, cols);
-                    f64_reference_by(&deq, n, rows, cols, |t, c| v[t * cols + c])
-                } else {
-                    f64_reference(&deq, &QAct::quantize(&x, n, cols, &w), rows, cols)
-                };
-                for pool in &pools {
-                    let mut out = vec![f32::NAN; n * rows];
-                    pool.install(|| qprefill_avx2::matmul(&x, n, cols, &w, &mut out, DType::F32));
-                    let threads = pool.current_num_threads();
-                    assert_matches_reference(&out, &want, &mag, || {
-                        format!("{what} bias {bias} half {half} {threads} threads n={n} cols={cols} rows={rows}")
-                    });
-                    let mut via = vec![f32::NAN; n * rows];
-                    pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &w, &mut via, DType::F32));
-                    assert_eq!(out, via, "{what}: quant_matmul at the AVX2 level takes the prefill panels");
+            for &layout in layouts(format) {
+                let w = QMat::with_layout(&qt, half, layout).with_sub_scales();
+                if w.sub_scales().is_some() {
+                    continue;
+                }
+                let deq = qt.dequantize();
+                for &n in &[32usize, 39] {
+                    assert!(qprefill_avx2::takes(QSimd::Avx2, &w, n));
+                    let x = random_x(n, cols, &mut seed);
+                    let (want, mag) = if format == QFormat::I8 {
+                        let v = act16(&x, n, cols);
+                        f64_reference_by(&deq, n, rows, cols, |t, c| v[t * cols + c])
+                    } else {
+                        f64_reference(&deq, &QAct::quantize(&x, n, cols, &w), rows, cols)
+                    };
+                    for pool in &pools {
+                        let mut out = vec![f32::NAN; n * rows];
+                        pool.install(|| qprefill_avx2::matmul(&x, n, cols, &w, &mut out, DType::F32));
+                        let threads = pool.current_num_threads();
+                        assert_matches_reference(&out, &want, &mag, || {
+                            format!("{what} bias {bias} half {half} {threads} threads n={n} cols={cols} rows={rows}")
+                        });
+                        let mut via = vec![f32::NAN; n * rows];
+                        pool.install(|| quant_matmul(Simd::Avx2, &x, n, cols, &w, &mut via, DType::F32));
+                        assert_eq!(out, via, "{what}: quant_matmul at the AVX2 level takes the prefill panels");
+                    }
                 }
             }
         }
@@ -797,26 +811,28 @@ fn avx2_quantized_prefill_on_float_panels_matches_f64() {
     for &(cols, rows) in &[(96usize, 37usize), (160, 21), (2080, 19)] {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
-            let w = QMat::with_sides(&qt, half);
-            let deq = as_held(&qt, half).dequantize();
-            for &n in &[AVX2_QUANT_PANEL_MIN_TOKENS, 45] {
-                let x = random_x(n, cols, &mut seed);
-                for simd in [Simd::Avx2, Simd::detect()] {
-                    let mut out = vec![f32::NAN; n * rows];
-                    pool.install(|| quant_panels(simd, &x, n, cols, &w, &mut out, DType::F32));
-                    for t in 0..n {
-                        for r in 0..rows {
-                            let (mut want, mut mag) = (0.0f64, 0.0f64);
-                            for c in 0..cols {
-                                let term = deq[r * cols + c] as f64 * x[t * cols + c] as f64;
-                                want += term;
-                                mag += term.abs();
+            for &layout in layouts(format) {
+                let w = QMat::with_layout(&qt, half, layout);
+                let deq = as_held(&qt, half).dequantize();
+                for &n in &[AVX2_QUANT_PANEL_MIN_TOKENS, 45] {
+                    let x = random_x(n, cols, &mut seed);
+                    for simd in [Simd::Avx2, Simd::detect()] {
+                        let mut out = vec![f32::NAN; n * rows];
+                        pool.install(|| quant_panels(simd, &x, n, cols, &w, &mut out, DType::F32));
+                        for t in 0..n {
+                            for r in 0..rows {
+                                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                                for c in 0..cols {
+                                    let term = deq[r * cols + c] as f64 * x[t * cols + c] as f64;
+                                    want += term;
+                                    mag += term.abs();
+                                }
+                                let got = out[t * rows + r] as f64;
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * mag + 1e-30,
+                                    "{what} {simd:?} n={n} cols={cols} [{t},{r}]: {got} vs {want}"
+                                );
                             }
-                            let got = out[t * rows + r] as f64;
-                            assert!(
-                                (got - want).abs() <= 1e-5 * mag + 1e-30,
-                                "{what} {simd:?} n={n} cols={cols} [{t},{r}]: {got} vs {want}"
-                            );
                         }
                     }
                 }
@@ -834,53 +850,59 @@ fn integer_kernels_are_within_the_activation_quantization_bound_of_float() {
         for (format, group, bias, half, what) in combos(cols) {
             let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
             let deq = qt.dequantize();
-            let w = QMat::with_sides(&qt, half);
-            for &n in &[1usize, 5, 17] {
-                let x = random_x(n, cols, &mut seed);
-                let mut fl = vec![0.0f32; n * rows];
-                pool.install(|| matmul(Simd::detect(), &x, n, cols, Mat::F32(&deq), rows, &mut fl, DType::F32));
-                // The bound: half a quantization step per activation, times |w|; and the
-                // expected RMS error for uniform rounding errors (step^2 / 12 per activation).
-                let mut bound = vec![0.0f64; n * rows];
-                let mut mag = vec![0.0f64; n * rows];
-                let mut var = 0.0f64;
-                for t in 0..n {
-                    let xr = &x[t * cols..(t + 1) * cols];
-                    let amax: Vec<f32> = xr.chunks(32).map(|b| b.iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
-                    for r in 0..rows {
-                        for c in 0..cols {
-                            let wv = deq[r * cols + c].abs() as f64;
-                            bound[t * rows + r] += wv * amax[c / 32] as f64 / 254.0;
-                            var += (wv * amax[c / 32] as f64 / 127.0).powi(2) / 12.0;
-                            mag[t * rows + r] += wv * xr[c].abs() as f64;
+            for &layout in layouts(format) {
+                let w = QMat::with_layout(&qt, half, layout);
+                for &n in &[1usize, 5, 17] {
+                    let x = random_x(n, cols, &mut seed);
+                    let mut fl = vec![0.0f32; n * rows];
+                    pool.install(|| matmul(Simd::detect(), &x, n, cols, Mat::F32(&deq), rows, &mut fl, DType::F32));
+                    // The bound: half a quantization step per activation, times |w|; and the
+                    // expected RMS error for uniform rounding errors (step^2 / 12 per activation).
+                    let mut bound = vec![0.0f64; n * rows];
+                    let mut mag = vec![0.0f64; n * rows];
+                    let mut var = 0.0f64;
+                    for t in 0..n {
+                        let xr = &x[t * cols..(t + 1) * cols];
+                        let amax: Vec<f32> =
+                            xr.chunks(32).map(|b| b.iter().fold(0.0f32, |m, v| m.max(v.abs()))).collect();
+                        for r in 0..rows {
+                            for c in 0..cols {
+                                let wv = deq[r * cols + c].abs() as f64;
+                                bound[t * rows + r] += wv * amax[c / 32] as f64 / 254.0;
+                                var += (wv * amax[c / 32] as f64 / 127.0).powi(2) / 12.0;
+                                mag[t * rows + r] += wv * xr[c].abs() as f64;
+                            }
                         }
                     }
-                }
-                for qs in levels() {
-                    let mut out = vec![0.0f32; n * rows];
-                    pool.install(|| qmatmul(qs, &x, n, cols, &w, &mut out, DType::F32));
-                    let (mut num, mut den) = (0.0f64, 0.0f64);
-                    let (mut se, mut sv) = (0.0f64, 0.0f64);
-                    for i in 0..n * rows {
-                        let err = (out[i] as f64 - fl[i] as f64).abs();
-                        let b = bound[i] * 1.0001 + 1e-5 * mag[i];
+                    for qs in levels() {
+                        let mut out = vec![0.0f32; n * rows];
+                        pool.install(|| qmatmul(qs, &x, n, cols, &w, &mut out, DType::F32));
+                        let (mut num, mut den) = (0.0f64, 0.0f64);
+                        let (mut se, mut sv) = (0.0f64, 0.0f64);
+                        for i in 0..n * rows {
+                            let err = (out[i] as f64 - fl[i] as f64).abs();
+                            let b = bound[i] * 1.0001 + 1e-5 * mag[i];
+                            assert!(
+                                err <= b,
+                                "{what} {qs:?} n={n} cols={cols}: |{} - {}| = {err} > bound {b}",
+                                out[i],
+                                fl[i]
+                            );
+                            worst_ratio = worst_ratio.max(err / b.max(1e-30));
+                            num += err * err;
+                            den += (fl[i] as f64).powi(2);
+                            se += err * err;
+                        }
+                        sv += var;
+                        worst_rel = worst_rel.max((num / den.max(1e-30)).sqrt());
+                        // Statistically: the RMS error is that of uniform rounding (allow 2x).
+                        let (rms, expect) = ((se / (n * rows) as f64).sqrt(), (sv / (n * rows) as f64).sqrt());
                         assert!(
-                            err <= b,
-                            "{what} {qs:?} n={n} cols={cols}: |{} - {}| = {err} > bound {b}",
-                            out[i],
-                            fl[i]
+                            rms <= 2.0 * expect + 1e-6,
+                            "{what} {qs:?} n={n}: RMS error {rms:e}, expected {expect:e}"
                         );
-                        worst_ratio = worst_ratio.max(err / b.max(1e-30));
-                        num += err * err;
-                        den += (fl[i] as f64).powi(2);
-                        se += err * err;
+                        worst_stat = worst_stat.max(rms / expect.max(1e-30));
                     }
-                    sv += var;
-                    worst_rel = worst_rel.max((num / den.max(1e-30)).sqrt());
-                    // Statistically: the RMS error is that of uniform rounding (allow 2x).
-                    let (rms, expect) = ((se / (n * rows) as f64).sqrt(), (sv / (n * rows) as f64).sqrt());
-                    assert!(rms <= 2.0 * expect + 1e-6, "{what} {qs:?} n={n}: RMS error {rms:e}, expected {expect:e}");
-                    worst_stat = worst_stat.max(rms / expect.max(1e-30));
                 }
             }
         }
@@ -1050,68 +1072,71 @@ fn bench_kernels() {
                     continue;
                 }
                 let qt = random_q(m, k, format, group, bias, half, &mut seed);
-                let w = QMat::with_sides(&qt, half);
-                // One line per path: time, weight bytes per second, multiply-adds per second.
-                let report = |path: &str, s: f64, bytes: usize| {
-                    eprintln!(
-                        "  {label} {path}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
-                        s * 1e3,
-                        bytes as f64 / s * 1e-9,
-                        (m * k * n) as f64 / s * 1e-9
-                    )
-                };
-                for qs in levels() {
-                    if qs == QSimd::Portable {
-                        continue;
+                for &layout in layouts(format) {
+                    let w = QMat::with_layout(&qt, half, layout);
+                    // One line per path: time, weight bytes per second, multiply-adds per second.
+                    let report = |path: &str, s: f64, bytes: usize| {
+                        eprintln!(
+                            "  {label} {path}: {:.2} ms ({:.1} GB/s, {:.1} GMAC/s)",
+                            s * 1e3,
+                            bytes as f64 / s * 1e-9,
+                            (m * k * n) as f64 / s * 1e-9
+                        )
+                    };
+                    for qs in levels() {
+                        if qs == QSimd::Portable {
+                            continue;
+                        }
+                        let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
+                        report(&format!("{qs:?}"), s, qt.nbytes());
                     }
-                    let s = time(&mut || qmatmul(qs, &x, n, k, &w, &mut out, DType::F32));
-                    report(&format!("{qs:?}"), s, qt.nbytes());
-                }
-                // int4 as `spark-run quantize` writes it (super-block steps, sub-scales).
-                let sub = (format == QFormat::I4 && group == 32 && bias && QSimd::detect() >= QSimd::Avx2).then(|| {
-                    let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
-                    let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
-                    let wk = QMat::with_sides(&qk, half).with_sub_scales();
-                    assert!(wk.sub_scales().is_some());
-                    (qk.nbytes(), wk)
-                });
-                if let Some((bytes, wk)) = &sub {
-                    let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, wk, &mut out, DType::F32));
-                    report("AVX2 sub-scales", s, *bytes);
-                }
-                // The same with its sides on grids, at the VNNI level.
-                if sub.is_some() && half && QSimd::detect() >= QSimd::Avx512Vnni {
-                    let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
-                    let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
-                    let (wh, wg) = (QMat::with_sides(&qk, true), QMat::for_level(&qk, QSimd::Avx512Vnni));
-                    if wg.scales().grid().is_some() {
-                        let s = time(&mut || qmatmul(QSimd::Avx512Vnni, &x, n, k, &wh, &mut out, DType::F32));
-                        report("VNNI, quantize's f16 sides", s, wh.decode_bytes());
-                        let s = time(&mut || qmatmul(QSimd::Avx512Vnni, &x, n, k, &wg, &mut out, DType::F32));
-                        report("VNNI, quantize's grid sides", s, wg.decode_bytes());
+                    // int4 as `spark-run quantize` writes it (super-block steps, sub-scales).
+                    let sub =
+                        (format == QFormat::I4 && group == 32 && bias && QSimd::detect() >= QSimd::Avx2).then(|| {
+                            let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
+                            let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
+                            let wk = QMat::with_sides(&qk, half).with_sub_scales();
+                            assert!(wk.sub_scales().is_some());
+                            (qk.nbytes(), wk)
+                        });
+                    if let Some((bytes, wk)) = &sub {
+                        let s = time(&mut || qmatmul(QSimd::Avx2, &x, n, k, wk, &mut out, DType::F32));
+                        report("AVX2 sub-scales", s, *bytes);
                     }
-                }
-                #[cfg(target_arch = "x86_64")]
-                let (pbytes, wp) = sub.as_ref().map_or((qt.nbytes(), &w), |(b, wk)| (*b, wk));
-                #[cfg(target_arch = "x86_64")]
-                if spark_backend_cpu::kernels::qprefill_avx2::takes(QSimd::Avx2, wp, n) {
-                    use spark_backend_cpu::kernels::qprefill_avx2;
-                    let s = time(&mut || qprefill_avx2::matmul(&x, n, k, wp, &mut out, DType::F32));
-                    report("AVX2 prefill panels", s, pbytes);
-                }
-                if n >= 16 && Simd::detect() >= Simd::Avx2 {
-                    let s = time(&mut || quant_panels(Simd::Avx2, &x, n, k, &w, &mut out, DType::F32));
-                    report("AVX2 f32 panels", s, qt.nbytes());
-                }
-                #[cfg(target_arch = "x86_64")]
-                if Simd::detect() == Simd::Amx {
-                    use spark_backend_cpu::kernels::amx;
-                    let xb: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-                    // SAFETY: Simd::Amx implies amx::available(); k is a multiple of 32.
-                    let s = time(&mut || unsafe {
-                        amx::matmul(&xb, n, k, amx::Weights::Quant(&w), m, &mut out, DType::BF16)
-                    });
-                    report("AMX bf16 dequantized", s, qt.nbytes());
+                    // The same with its sides on grids, at the VNNI level.
+                    if sub.is_some() && half && QSimd::detect() >= QSimd::Avx512Vnni {
+                        let spec = spark_core::quant::QuantSpec::new(QFormat::I4, Some(32));
+                        let qk = spark_core::quant::quantize("w", m, k, &w32, spec).unwrap();
+                        let (wh, wg) = (QMat::with_sides(&qk, true), QMat::for_level(&qk, QSimd::Avx512Vnni));
+                        if wg.scales().grid().is_some() {
+                            let s = time(&mut || qmatmul(QSimd::Avx512Vnni, &x, n, k, &wh, &mut out, DType::F32));
+                            report("VNNI, quantize's f16 sides", s, wh.decode_bytes());
+                            let s = time(&mut || qmatmul(QSimd::Avx512Vnni, &x, n, k, &wg, &mut out, DType::F32));
+                            report("VNNI, quantize's grid sides", s, wg.decode_bytes());
+                        }
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    let (pbytes, wp) = sub.as_ref().map_or((qt.nbytes(), &w), |(b, wk)| (*b, wk));
+                    #[cfg(target_arch = "x86_64")]
+                    if spark_backend_cpu::kernels::qprefill_avx2::takes(QSimd::Avx2, wp, n) {
+                        use spark_backend_cpu::kernels::qprefill_avx2;
+                        let s = time(&mut || qprefill_avx2::matmul(&x, n, k, wp, &mut out, DType::F32));
+                        report("AVX2 prefill panels", s, pbytes);
+                    }
+                    if n >= 16 && Simd::detect() >= Simd::Avx2 {
+                        let s = time(&mut || quant_panels(Simd::Avx2, &x, n, k, &w, &mut out, DType::F32));
+                        report("AVX2 f32 panels", s, qt.nbytes());
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if Simd::detect() == Simd::Amx {
+                        use spark_backend_cpu::kernels::amx;
+                        let xb: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                        // SAFETY: Simd::Amx implies amx::available(); k is a multiple of 32.
+                        let s = time(&mut || unsafe {
+                            amx::matmul(&xb, n, k, amx::Weights::Quant(&w), m, &mut out, DType::BF16)
+                        });
+                        report("AMX bf16 dequantized", s, qt.nbytes());
+                    }
                 }
             }
         }
@@ -1187,31 +1212,33 @@ fn dequantized_bf16_prefill_matches_reference() {
             let g = if group == 0 { k } else { group };
             let q = random_q(m, k, format, g, bias, half, &mut seed);
             let deq = q.dequantize();
-            let qm = QMat::with_sides(&q, half);
-            // The backend holds the sides as this CPU does (rounded to f16 where they fit).
-            let held = as_held(&q, QMat::f16_sides_pay()).dequantize();
-            for r in [0, m / 2, m - 1] {
-                let mut bits = vec![0u16; k];
-                qm.dequant_bf16(r, 0, &mut bits);
-                for c in 0..k {
-                    let want = half::bf16::from_f32(deq[r * k + c]).to_bits();
-                    assert_eq!(bits[c], want, "{format} g{g} row {r} col {c}");
+            for &layout in layouts(format) {
+                let qm = QMat::with_layout(&q, half, layout);
+                // The backend holds the sides as this CPU does (rounded to f16 where they fit).
+                let held = as_held(&q, QMat::f16_sides_pay()).dequantize();
+                for r in [0, m / 2, m - 1] {
+                    let mut bits = vec![0u16; k];
+                    qm.dequant_bf16(r, 0, &mut bits);
+                    for c in 0..k {
+                        let want = half::bf16::from_f32(deq[r * k + c]).to_bits();
+                        assert_eq!(bits[c], want, "{format} g{g} row {r} col {c}");
+                    }
                 }
-            }
-            let x: Vec<f32> = random_x(n, k, &mut seed).into_iter().map(bfv).collect();
-            let w = be.upload_quant(&q, WeightRole::Matrix, DType::BF16).unwrap();
-            let xt = CpuTensor { rows: n, cols: k, data: x.clone() };
-            let mut out = be.alloc(n, m).unwrap();
-            be.matmul(&xt, &w, &mut out, DType::BF16).unwrap();
-            for t in 0..n {
-                for r in 0..m {
-                    let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(held[r * k + c]) as f64).sum();
-                    let got = out.data[t * m + r] as f64;
-                    let tol = (exact.abs() / 128.0).max(1e-3);
-                    assert!(
-                        (got - bfv(exact as f32) as f64).abs() <= tol,
-                        "{format} g{g} bias {bias} n={n} k={k} m={m} [{t},{r}]: {got} vs {exact}"
-                    );
+                let x: Vec<f32> = random_x(n, k, &mut seed).into_iter().map(bfv).collect();
+                let w = be.upload_quant(&q, WeightRole::Matrix, DType::BF16).unwrap();
+                let xt = CpuTensor { rows: n, cols: k, data: x.clone() };
+                let mut out = be.alloc(n, m).unwrap();
+                be.matmul(&xt, &w, &mut out, DType::BF16).unwrap();
+                for t in 0..n {
+                    for r in 0..m {
+                        let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(held[r * k + c]) as f64).sum();
+                        let got = out.data[t * m + r] as f64;
+                        let tol = (exact.abs() / 128.0).max(1e-3);
+                        assert!(
+                            (got - bfv(exact as f32) as f64).abs() <= tol,
+                            "{format} g{g} bias {bias} n={n} k={k} m={m} [{t},{r}]: {got} vs {exact}"
+                        );
+                    }
                 }
             }
         }

@@ -17,10 +17,13 @@
 //! once per super-block as well (`PairSuper`; the zero point stays in `vpdpbusd`'s start).
 //! Int4 on whole super-blocks (grids or `PairSuper`) reads a row two chunks per plain 64-byte
 //! load (the low nibbles of both chunks, then their high nibbles, against activations and
-//! 4-column sums regrouped to match), which spares the broadcast per chunk. Int6
-//! chunks are unpacked to `0..=63` in column order (`I6`: two broadcast loads, a shift, a
-//! rotate, a mask and a ternary op). Every function is `unsafe` and needs AVX-512F, AVX-512BW
-//! and AVX-512 VNNI (and F16C, for f16 scales).
+//! 4-column sums regrouped to match), which spares the broadcast per chunk. Int6 chunks are
+//! unpacked to `0..=63` in column order: in [`I6Layout::Groups`] (`I6G`, with AVX-512 VBMI) by
+//! one plain load, a byte permute that puts each group's three bytes in a qword little-endian,
+//! a multishift that takes each value's six bits to its byte, and a mask (+30 % for the int6
+//! GEMV in L2 on a Zen 4); in [`I6Layout::Split`] (`I6`, without VBMI) by two broadcast loads, a
+//! shift, a rotate, a mask and a ternary op. Every function is `unsafe` and needs AVX-512F,
+//! AVX-512BW and AVX-512 VNNI (and F16C, for f16 scales; `I6G` AVX-512 VBMI too).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -28,7 +31,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{ScaleMode, SideEl, TileArgs, I6_CHUNK_BYTES, QBLOCK, QCHUNK, SUPER_BLOCKS};
+use super::qmatmul::{I6Layout, ScaleMode, SideEl, TileArgs, I6_CHUNK_BYTES, QBLOCK, QCHUNK, SUPER_BLOCKS};
 
 /// How a weight format yields the 64 unsigned bytes of a chunk.
 trait Fmt {
@@ -58,7 +61,10 @@ trait Fmt {
 
 struct I8;
 struct I4;
+/// Int6 in [`I6Layout::Split`].
 struct I6;
+/// Int6 in [`I6Layout::Groups`] (AVX-512 VBMI: [`vbmi`]).
+struct I6G;
 
 impl Fmt for I8 {
     const ZERO: i32 = 128;
@@ -142,6 +148,57 @@ const I6_NIBBLE_SHIFT: Words = {
 /// neighbouring byte fall outside the mask).
 const I6_ROTATE: Idx = Idx { a: [4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 30, 30, 30, 30] };
 
+impl Fmt for I6G {
+    const UNPACK: bool = true;
+    const ZERO: i32 = 32;
+    #[inline(always)]
+    unsafe fn start(s: __m512i) -> __m512i {
+        // Zero point 32 in every lane.
+        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<5>(s))
+    }
+    #[inline(always)]
+    unsafe fn chunk(w: *const u8, c: usize) -> __m512i {
+        // 64 bytes from the chunk's 48 (the rest is the next chunk's, or the buffer's slack);
+        // each qword gets two groups' bytes in little-endian order (the groups' 24-bit numbers
+        // at bits 0 and 24), each byte its value's six bits from there, masked.
+        let v = _mm512_loadu_si512(w.add(c * I6_CHUNK_BYTES) as *const _);
+        let e = _mm512_permutexvar_epi8(I6_SPREAD.v, v);
+        _mm512_and_si512(_mm512_multishift_epi64_epi8(I6_SHIFTS.v, e), _mm512_set1_epi8(0x3F))
+    }
+}
+
+/// Whether this CPU has AVX-512 VBMI (cached): the int6 tiles then unpack with [`I6`].
+pub(crate) fn vbmi() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| is_x86_feature_detected!("avx512vbmi"))
+}
+
+/// [`I6`]'s byte permute: qword `q` gets group `2q`'s bytes at 0-2 and group `2q + 1`'s at
+/// 3-5, each reversed (little-endian: the group's 24-bit number); bytes 6-7 are unused.
+const I6_SPREAD: Bytes = {
+    let mut a = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        let (q, k) = (i / 8, i % 8);
+        if k < 6 {
+            a[i] = (3 * (2 * q + k / 3) + 2 - k % 3) as u8;
+        }
+        i += 1;
+    }
+    Bytes { a }
+};
+/// [`I6`]'s multishift: byte `k` of each qword from bit `18 - 6 (k % 4)` of the group's number at
+/// bit `24 (k / 4)`.
+const I6_SHIFTS: Bytes = {
+    let mut a = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        let k = i % 8;
+        a[i] = (24 * (k / 4) + 18 - 6 * (k % 4)) as u8;
+        i += 1;
+    }
+    Bytes { a }
+};
 #[repr(C)]
 pub(super) union Bytes {
     a: [u8; 64],
@@ -320,11 +377,13 @@ const IDX_PAIR: Idx = Idx { a: [0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2] 
 /// Four lanes from each of elements 0..4.
 const IDX4: Idx = Idx { a: [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3] };
 
-/// `R` rows x `T` tokens over all columns.
+/// `R` rows x `T` tokens over all columns. Inlined into [`run`] or [`run_vbmi`], whose target
+/// features it is compiled with.
 ///
 /// # Safety
-/// AVX-512F/BW/VNNI; `a` describes `R` packed rows and `T` token rows of `a.kp` columns.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+/// AVX-512F/BW/VNNI (and VBMI for [`I6G`]); `a` describes `R` packed rows and `T` token rows of
+/// `a.kp` columns.
+#[inline(always)]
 #[allow(clippy::needless_range_loop)]
 unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &TileArgs<'_>) -> [[f32; T]; R] {
     let nc = a.kp / QCHUNK;
@@ -545,6 +604,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
     mode: ScaleMode,
     half: bool,
     grid: bool,
+    i6: I6Layout,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -553,7 +613,12 @@ pub(crate) unsafe fn rows_tokens<'a>(
     tmp: &mut [f32],
     ld: usize,
 ) {
+    assert!(fmt != QFormat::I6 || i6 == I6Layout::Split || vbmi(), "int6 groups need AVX-512 VBMI");
     macro_rules! go {
+        (I6G, $s:ty) => {
+            // `I6G` is only chosen in the layout that needs VBMI, asserted above.
+            super::by_side!(half, run_vbmi::<I6G, $s>(args, r0, r1, t0, nt, tmp, ld))
+        };
         ($f:ty, $s:ty) => {
             super::by_side!(half, run::<$f, $s>(args, r0, r1, t0, nt, tmp, ld))
         };
@@ -573,6 +638,15 @@ pub(crate) unsafe fn rows_tokens<'a>(
         // Int8 from 4 tokens keeps its 4 x 4 tiles (`PairSuper` runs 4 x 3 there).
         (QFormat::I8, ScaleMode::Pair) if whole_super && nt < 4 => go!(I8, PairSuper),
         (QFormat::I4, ScaleMode::Pair) if whole_super => go!(I4, PairSuper),
+        (QFormat::I6, _) if i6 == I6Layout::Groups => match mode {
+            ScaleMode::Pair if whole_super => go!(I6G, PairSuper),
+            ScaleMode::Row => go!(I6G, PerRow),
+            ScaleMode::Chunk => go!(I6G, Chunk),
+            ScaleMode::Block => go!(I6G, Block),
+            ScaleMode::Pair => go!(I6G, Pair),
+            ScaleMode::Half => go!(I6G, Half),
+            ScaleMode::Quad => go!(I6G, Quad),
+        },
         (QFormat::I6, ScaleMode::Pair) if whole_super => go!(I6, PairSuper),
         (QFormat::I8, ScaleMode::Row) => go!(I8, PerRow),
         (QFormat::I4, ScaleMode::Row) => go!(I4, PerRow),
@@ -599,6 +673,41 @@ pub(crate) unsafe fn rows_tokens<'a>(
 /// As [`rows_tokens`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
+    args: &impl Fn(usize, usize) -> TileArgs<'a>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+    ld: usize,
+) {
+    run_body::<F, S, E>(args, r0, r1, t0, nt, tmp, ld)
+}
+
+/// [`run`] compiled with AVX-512 VBMI too (for [`I6G`]; kept apart so that no other tile may
+/// use VBMI instructions).
+///
+/// # Safety
+/// As [`rows_tokens`], and AVX-512 VBMI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn run_vbmi<'a, F: Fmt, S: Scale, E: SideEl>(
+    args: &impl Fn(usize, usize) -> TileArgs<'a>,
+    r0: usize,
+    r1: usize,
+    t0: usize,
+    nt: usize,
+    tmp: &mut [f32],
+    ld: usize,
+) {
+    run_body::<F, S, E>(args, r0, r1, t0, nt, tmp, ld)
+}
+
+/// The loop over [`tile`]s that [`run`] and [`run_vbmi`] compile.
+///
+/// # Safety
+/// As [`run_vbmi`] for [`I6G`], else as [`run`].
+#[inline(always)]
+unsafe fn run_body<'a, F: Fmt, S: Scale, E: SideEl>(
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -635,5 +744,46 @@ unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
             t += tt;
         }
         r += nr;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::qmatmul::i6_group;
+
+    /// The VBMI unpacker gives every chunk's 64 values in column order, as the layout's scalar
+    /// reader does, whatever bytes follow the chunk.
+    #[test]
+    fn int6_groups_unpack_in_column_order() {
+        if !(is_x86_feature_detected!("avx512bw") && vbmi()) {
+            eprintln!("skipped: this CPU has no AVX-512 VBMI");
+            return;
+        }
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        // Three chunks and the 16 bytes a chunk's load reads past it.
+        let mut buf = vec![0u8; 3 * I6_CHUNK_BYTES + 16];
+        for _ in 0..200 {
+            for b in &mut buf {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                *b = seed as u8;
+            }
+            for c in 0..3 {
+                let want: Vec<u8> =
+                    (0..QCHUNK).map(|j| i6_group(&buf[c * I6_CHUNK_BYTES + j / 4 * 3..], j % 4)).collect();
+                let mut got = [0u8; 64];
+                // SAFETY: AVX-512 BW and VBMI (checked); the chunk and 16 bytes after it are in
+                // `buf`.
+                unsafe { _mm512_storeu_si512(got.as_mut_ptr().cast(), unpack(buf.as_ptr(), c)) };
+                assert_eq!(got[..], want[..], "chunk {c}");
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+    unsafe fn unpack(w: *const u8, c: usize) -> __m512i {
+        I6G::chunk(w, c)
     }
 }

@@ -27,9 +27,13 @@
 //! are zero too), 64-byte aligned. Int8 is stored as the signed bytes themselves (the AVX2 sign
 //! trick wants them; VNNI flips the top bit on load); int4 per 64-column chunk as 32 bytes with
 //! element `j` in the low nibble of byte `j` and element `j + 32` in the high nibble, so one
-//! 256-bit load, a mask and a shift give the two 32-blocks in order; int6 per chunk as those 32
-//! bytes of low nibbles followed by 16 bytes of top bits (element `16 i + j` at bits `2i` of byte
-//! `32 + j`: [`I6_CHUNK_BYTES`]). Scales and biases are the
+//! 256-bit load, a mask and a shift give the two 32-blocks in order; int6 per chunk in 48 bytes
+//! ([`I6_CHUNK_BYTES`]) in one of two layouts ([`I6Layout`], chosen for the CPU's kernels):
+//! [`I6Layout::Split`], those 32 bytes of low nibbles then 16 bytes of top bits (element
+//! `16 i + j` at bits `2i` of byte `32 + j`), or [`I6Layout::Groups`], 16 groups of 3 bytes each
+//! holding four elements as a big-endian 24-bit number ([`i6_group`]). The int6 kernels may read
+//! up to 16 bytes past a chunk: the buffer has 64 readable bytes after the last row (and 64
+//! before the first). Scales and biases are the
 //! tensor's values (`[rows, cols / group]`), held as f16 when they fit one
 //! ([`QTensor::sides_fit_f16`]: exact, or within 2^-11 for GGUF K-quant products) and this CPU's
 //! kernels gain from it ([`Side`], [`QMat::f16_sides_pay`]), else as the tensor's own f32 array;
@@ -228,26 +232,86 @@ fn repack_int4_row(src: &[u8], cols: usize, dst: &mut [u8]) {
     }
 }
 
-/// One int6 row from the tensor's order ([`spark_core::quant::i6_stored`]) into [`QMat`]'s: per
-/// 64-column chunk 48 bytes, 32 of low nibbles as int4's chunk (element `j` low, `j + 32` high
-/// in byte `j`) then 16 of top bits (element `16 i + j` at bits `2i..2i+2` of byte `32 + j`);
-/// columns past `cols` are 32 (q = 0). `dst` is the padded row.
-fn repack_int6_row(src: &[u8], cols: usize, dst: &mut [u8]) {
+/// How [`QMat`] holds an int6 chunk's 64 values `0..=63` (zero point 32) in its 48 bytes: the
+/// layout each level unpacks cheapest ([`QMat::i6_layout_at`]). Every kernel reads both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum I6Layout {
+    /// 32 bytes of low nibbles as int4's chunk (element `j` low and `j + 32` high in byte `j`),
+    /// then 16 bytes of top bits (element `16 i + j` at bits `2i..2i+2` of byte `32 + j`). The
+    /// AVX2 kernels take the nibbles as int4's and move the top bits with a shift per lane:
+    /// no multiplies, which share a port with `vpmaddubsw`.
+    Split,
+    /// 16 groups of 3 bytes, group `g` elements `4g..4g + 4` as the big-endian 24-bit number
+    /// `e0 << 18 | e1 << 12 | e2 << 6 | e3` ([`i6_group`]; base64's order). AVX-512 VBMI
+    /// unpacks a chunk with one load, a byte permute, a multishift and a mask (the int6 GEMV
+    /// +30 % over [`I6Layout::Split`] in L2 on a Zen 4); AVX2 with two 16-bit multiplies per
+    /// 32 values (-20 % against [`I6Layout::Split`] on the same machine).
+    Groups,
+}
+
+/// One int6 row from the tensor's order ([`spark_core::quant::i6_stored`]) into [`QMat`]'s
+/// `layout`, 48 bytes per 64-column chunk; columns past `cols` are 32 (q = 0). `dst` is the
+/// padded row.
+fn repack_int6_row(src: &[u8], cols: usize, dst: &mut [u8], layout: I6Layout) {
     let v = |c: usize| if c < cols { spark_core::quant::i6_stored(src, cols, c) } else { 32 };
-    for (ci, chunk) in dst.chunks_exact_mut(I6_CHUNK_BYTES).enumerate() {
-        let c0 = ci * QCHUNK;
-        let e: [u8; QCHUNK] = std::array::from_fn(|j| v(c0 + j));
-        for j in 0..32 {
-            chunk[j] = (e[j] & 0xF) | ((e[j + 32] & 0xF) << 4);
+    match layout {
+        I6Layout::Split => {
+            for (ci, chunk) in dst.chunks_exact_mut(I6_CHUNK_BYTES).enumerate() {
+                let e: [u8; QCHUNK] = std::array::from_fn(|j| v(ci * QCHUNK + j));
+                for j in 0..32 {
+                    chunk[j] = (e[j] & 0xF) | ((e[j + 32] & 0xF) << 4);
+                }
+                for j in 0..16 {
+                    chunk[32 + j] = (0..4).fold(0u8, |b, i| b | ((e[16 * i + j] >> 4) << (2 * i)));
+                }
+            }
         }
-        for j in 0..16 {
-            chunk[32 + j] = (0..4).fold(0u8, |b, i| b | ((e[16 * i + j] >> 4) << (2 * i)));
+        I6Layout::Groups => {
+            for (gi, group) in dst.chunks_exact_mut(3).enumerate() {
+                let e = |i: usize| u32::from(v(4 * gi + i) & 0x3F);
+                let n = e(0) << 18 | e(1) << 12 | e(2) << 6 | e(3);
+                group.copy_from_slice(&n.to_be_bytes()[1..]);
+            }
         }
     }
 }
 
-/// Bytes of one 64-column int6 chunk in [`QMat`] (32 of nibbles, 16 of top bits).
+/// Bytes of one 64-column int6 chunk in [`QMat`] (either [`I6Layout`]).
 pub const I6_CHUNK_BYTES: usize = 48;
+
+/// For [`QMat::dequant_avx512`]'s int6: lane `j` takes byte `3 (j / 4) + k` of
+/// `I6_LANE_BYTE[k]`, and shifts their 24-bit number right by `I6_LANE_SHIFT[j]`.
+#[cfg(target_arch = "x86_64")]
+const I6_LANE_BYTE: [Lanes; 3] = [i6_lane_bytes(0), i6_lane_bytes(1), i6_lane_bytes(2)];
+#[cfg(target_arch = "x86_64")]
+const I6_LANE_SHIFT: Lanes = Lanes { a: [18, 12, 6, 0, 18, 12, 6, 0, 18, 12, 6, 0, 18, 12, 6, 0] };
+
+#[cfg(target_arch = "x86_64")]
+#[repr(C)]
+union Lanes {
+    a: [i32; 16],
+    v: std::arch::x86_64::__m512i,
+}
+
+#[cfg(target_arch = "x86_64")]
+const fn i6_lane_bytes(k: i32) -> Lanes {
+    let mut a = [0i32; 16];
+    let mut j = 0;
+    while j < 16 {
+        a[j] = 3 * (j as i32 / 4) + k;
+        j += 1;
+    }
+    Lanes { a }
+}
+
+/// Element `i` (0..4) of an [`I6Layout::Groups`] group's three bytes `b` (`0..=63`, zero point
+/// 32): the big-endian 24-bit number `b0 << 16 | b1 << 8 | b2` holds element `i` at bits
+/// `18 - 6 i`.
+#[inline]
+pub fn i6_group(b: &[u8], i: usize) -> u8 {
+    let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
+    ((n >> (18 - 6 * i)) & 0x3F) as u8
+}
 
 /// A matrix's scales or biases (`[rows, ng]`) as the kernels read them.
 pub enum Side {
@@ -463,6 +527,8 @@ pub struct QMat {
     sidx: Vec<u32>,
     /// Integer sub-scales, where built ([`QMat::with_sub_scales`]).
     sub: Option<SubScales>,
+    /// How int6 chunks are laid out (unused for the other formats).
+    i6: I6Layout,
 }
 
 impl std::fmt::Debug for QMat {
@@ -514,7 +580,7 @@ impl QMat {
     /// up ([`QMat::grid_sides_at`]) int4 whose scales and biases lie on power-of-two grids holds
     /// them as [`Grid`]s ([`QMat::with_grid_sides`]).
     pub fn for_level(q: &QTensor, qs: QSimd) -> QMat {
-        let m = Self::with_sides(q, qs >= QSimd::Avx512Vnni);
+        let m = Self::with_layout(q, qs >= QSimd::Avx512Vnni, Self::i6_layout_at(qs));
         if Self::grid_sides_at(qs) {
             return m.with_grid_sides(q);
         }
@@ -542,6 +608,12 @@ impl QMat {
     /// when `half_ok` and they fit ([`QTensor::sides_fit_f16`]). Every kernel level takes
     /// either.
     pub fn with_sides(q: &QTensor, half_ok: bool) -> QMat {
+        Self::with_layout(q, half_ok, Self::i6_layout_at(QSimd::detect()))
+    }
+
+    /// [`QMat::with_sides`] with int6 chunks in `i6` (whichever this CPU's kernels prefer:
+    /// every level reads both; tests build both).
+    pub fn with_layout(q: &QTensor, half_ok: bool, i6: I6Layout) -> QMat {
         assert!(QMat::supports(q), "QMat::from_qtensor: unsupported group {} for {} columns", q.group, q.cols);
         let (rows, cols, group) = (q.rows, q.cols, q.group);
         let kp = cols.div_ceil(QCHUNK) * QCHUNK;
@@ -565,9 +637,11 @@ impl QMat {
             QFormat::I6 => kp / QCHUNK * I6_CHUNK_BYTES,
         };
         // Zeroed (the allocator's fresh pages): int8 padding is q = 0; int4 and int6 rows are
-        // written whole below, their padding as 8 or 32 (q = 0).
-        let mut data = HugeBytes::zeroed(rows * rb + 64);
-        let off = data.as_ptr().align_offset(64).min(64);
+        // written whole below, their padding as 8 or 32 (q = 0). The first row starts 64 to 127
+        // bytes in (64-byte aligned) and at least 64 bytes follow the last: the int6 kernels
+        // read a little outside each chunk (the module's doc).
+        let mut data = HugeBytes::zeroed(rows * rb + 192);
+        let off = 64 + data.as_ptr().align_offset(64).min(64);
         // Rows in parallel (the pages are first touched here, by the worker that fills them),
         // 64 rows per task.
         data[off..off + rows * rb].par_chunks_mut(64 * rb).enumerate().for_each(|(ci, block)| {
@@ -576,7 +650,7 @@ impl QMat {
                 match q.format {
                     QFormat::I8 => dst[..cols].copy_from_slice(src),
                     QFormat::I4 => repack_int4_row(src, cols, dst),
-                    QFormat::I6 => repack_int6_row(src, cols, dst),
+                    QFormat::I6 => repack_int6_row(src, cols, dst, i6),
                 }
             }
         });
@@ -596,6 +670,7 @@ impl QMat {
             bias: q.bias.as_ref().map(|b| Side::new(b, half)),
             sidx,
             sub: None,
+            i6,
         }
     }
 
@@ -655,6 +730,22 @@ impl QMat {
         qs >= QSimd::Avx512Vnni
     }
 
+    /// The int6 layout level `qs` unpacks cheapest on this CPU: [`I6Layout::Groups`] from the
+    /// VNNI level up where AVX-512 VBMI is there, else [`I6Layout::Split`].
+    pub fn i6_layout_at(qs: QSimd) -> I6Layout {
+        #[cfg(target_arch = "x86_64")]
+        if qs >= QSimd::Avx512Vnni && super::qavx512::vbmi() {
+            return I6Layout::Groups;
+        }
+        let _ = qs;
+        I6Layout::Split
+    }
+
+    /// How this matrix's int6 chunks are laid out (meaningless for other formats).
+    pub fn i6_layout(&self) -> I6Layout {
+        self.i6
+    }
+
     /// Whether level `qs` holds int4 with integer sub-scales where it has that form
     /// ([`QMat::with_sub_scales`]): the AVX2 level, whose super-block kernels read them.
     pub fn sub_scales_at(qs: QSimd) -> bool {
@@ -703,6 +794,11 @@ impl QMat {
     /// All packed rows.
     pub fn packed(&self) -> &[u8] {
         &self.data[self.off..self.off + self.rows * self.row_bytes()]
+    }
+    /// The first packed row, as a pointer into the whole buffer: kernels may read the 64
+    /// bytes before it and after the last row (the module's doc).
+    pub fn packed_ptr(&self) -> *const u8 {
+        self.data.as_ptr().wrapping_add(self.off)
     }
     /// Scales, `[rows, ng]`.
     pub fn scales(&self) -> &Side {
@@ -763,7 +859,7 @@ impl QMat {
                 let b = row[(c / QCHUNK) * 32 + c % 32];
                 (if c % QCHUNK < 32 { b & 0xF } else { b >> 4 }) as i32 - 8
             }
-            QFormat::I6 => i6_qval(row, c),
+            QFormat::I6 => i6_qval(row, c, self.i6),
         }
     }
 
@@ -816,8 +912,9 @@ impl QMat {
             let (sg, bg) = sides.at(self.sidx[c / 16] as usize);
             // The 16 values minus the zero point, as `dequant_body` forms them, in i32 lanes.
             // SAFETY: `c + 16 <= cols <= kp` and the row holds `kp` values in this format's
-            // layout (int4: 16 bytes from `base`; int6: 16 bytes from `j0` and the chunk's 16
-            // bytes of top bits at 32), as the indexing in `dequant_body` reads them.
+            // layout (int4: 16 bytes from `base`; int6 split: 16 bytes from `j0` and the
+            // chunk's 16 bytes of top bits at 32; int6 groups: the 12 bytes of four groups
+            // from `base`, three dwords of a masked load), as `i6_qval` reads them.
             let q = match self.format {
                 QFormat::I8 => _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(c).cast())),
                 QFormat::I4 => {
@@ -826,7 +923,7 @@ impl QMat {
                     let v = if c % QCHUNK >= 32 { _mm512_srli_epi32::<4>(v) } else { v };
                     _mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF)), _mm512_set1_epi32(8))
                 }
-                QFormat::I6 => {
+                QFormat::I6 if self.i6 == I6Layout::Split => {
                     let ch = p.add(c / QCHUNK * I6_CHUNK_BYTES);
                     let l = _mm512_cvtepu8_epi32(_mm_loadu_si128(ch.add(c % 32).cast()));
                     let l = if c % QCHUNK >= 32 { _mm512_srli_epi32::<4>(l) } else { l };
@@ -835,6 +932,22 @@ impl QMat {
                     let h = _mm512_slli_epi32::<4>(_mm512_and_si512(h, _mm512_set1_epi32(3)));
                     let lo = _mm512_and_si512(l, _mm512_set1_epi32(0xF));
                     _mm512_sub_epi32(_mm512_or_si512(lo, h), _mm512_set1_epi32(32))
+                }
+                QFormat::I6 => {
+                    // Lane `j` from group `j / 4`'s three bytes (`b0 << 16 | b1 << 8 | b2`),
+                    // shifted right by `18 - 6 (j % 4)` and masked.
+                    let base = c / QCHUNK * I6_CHUNK_BYTES + c % QCHUNK / 4 * 3;
+                    let b = _mm512_castsi512_si128(_mm512_maskz_loadu_epi32(0b111, p.add(base).cast()));
+                    let b = _mm512_cvtepu8_epi32(b);
+                    let n = _mm512_or_si512(
+                        _mm512_slli_epi32::<16>(_mm512_permutexvar_epi32(I6_LANE_BYTE[0].v, b)),
+                        _mm512_or_si512(
+                            _mm512_slli_epi32::<8>(_mm512_permutexvar_epi32(I6_LANE_BYTE[1].v, b)),
+                            _mm512_permutexvar_epi32(I6_LANE_BYTE[2].v, b),
+                        ),
+                    );
+                    let v = _mm512_and_si512(_mm512_srlv_epi32(n, I6_LANE_SHIFT.v), _mm512_set1_epi32(0x3F));
+                    _mm512_sub_epi32(v, _mm512_set1_epi32(32))
                 }
             };
             // `sg * q + bg`: a multiply, then an add (no FMA), as `dequant_body`.
@@ -875,12 +988,8 @@ impl QMat {
                     }
                 }
                 QFormat::I6 => {
-                    // 16 columns: one nibble half of 16 bytes and one 2-bit field of 16 bytes.
-                    let ch = &row[c / QCHUNK * I6_CHUNK_BYTES..][..I6_CHUNK_BYTES];
-                    let (j0, nshift) = (c % 32, if c % QCHUNK >= 32 { 4 } else { 0 });
-                    let hshift = 2 * (c % QCHUNK / 16);
-                    for ((q, &l), &h) in q.iter_mut().zip(&ch[j0..j0 + 16]).zip(&ch[32..48]) {
-                        *q = ((((l >> nshift) & 0xF) | (((h >> hshift) & 3) << 4)) as i32 - 32) as f32;
+                    for (j, q) in q.iter_mut().enumerate() {
+                        *q = i6_qval(row, c + j, self.i6) as f32;
                     }
                 }
             }
@@ -1534,12 +1643,21 @@ pub(super) fn rows_tokens(
     let ng = w.ng;
     let (sp, side_bytes) = w.scales.raw();
     let bp = w.bias.as_ref().map_or(std::ptr::null(), |b| b.raw().0);
+    // Int6 groups need VBMI at the VNNI level; without it (a matrix built for another CPU
+    // level, as tests do) the AVX2 kernels read them.
+    #[cfg(target_arch = "x86_64")]
+    let qs =
+        if qs >= QSimd::Avx512Vnni && w.format == QFormat::I6 && w.i6 == I6Layout::Groups && !super::qavx512::vbmi() {
+            QSimd::Avx2
+        } else {
+            qs
+        };
     // The super-block kernel needs activations with one scale per super-block.
     let sums = act.span == SUPER_BLOCKS && qs == QSimd::Avx2 && w.sums_super_blocks();
     let sub = w.sub.as_ref();
     let (sgrid, bgrid) = (w.scales.grid(), w.bias.as_ref().and_then(|b| b.grid()));
     let args = |r: usize, t: usize| TileArgs {
-        w: w.packed()[r * rb..].as_ptr(),
+        w: w.packed_ptr().wrapping_add(r * rb),
         row_bytes: rb,
         s: sp.wrapping_add(r * ng * side_bytes),
         side_bytes,
@@ -1570,7 +1688,21 @@ pub(super) fn rows_tokens(
             // activations share one scale per super-block and an int4 `w` has sub-scales, which
             // the tiles' `k` and `unit` point into (as with `sub`); `tmp` holds nt * ld.
             unsafe {
-                super::qavx2::rows_tokens(w.format, w.mode, half, sums, sub.is_some(), &args, r0, r1, t0, nt, tmp, ld)
+                super::qavx2::rows_tokens(
+                    w.format,
+                    w.mode,
+                    half,
+                    sums,
+                    sub.is_some(),
+                    w.i6,
+                    &args,
+                    r0,
+                    r1,
+                    t0,
+                    nt,
+                    tmp,
+                    ld,
+                )
             }
         }
         #[cfg(target_arch = "x86_64")]
@@ -1580,7 +1712,20 @@ pub(super) fn rows_tokens(
             // (int4, `ScaleMode::Pair`, whole super-blocks: `QMat::with_grid_sides`) and the
             // tiles' `s`, `b`, `sexp` and `bexp` point into them.
             unsafe {
-                super::qavx512::rows_tokens(w.format, w.mode, half, sgrid.is_some(), &args, r0, r1, t0, nt, tmp, ld)
+                super::qavx512::rows_tokens(
+                    w.format,
+                    w.mode,
+                    half,
+                    sgrid.is_some(),
+                    w.i6,
+                    &args,
+                    r0,
+                    r1,
+                    t0,
+                    nt,
+                    tmp,
+                    ld,
+                )
             }
         }
         _ => {
@@ -1595,14 +1740,16 @@ pub(super) fn rows_tokens(
     }
 }
 
-/// Element `c` of a packed int6 row ([`repack_int6_row`]'s layout) minus the zero point 32.
+/// Element `c` of a packed int6 row in `layout` minus the zero point 32.
 #[inline]
-fn i6_qval(row: &[u8], c: usize) -> i32 {
+fn i6_qval(row: &[u8], c: usize, layout: I6Layout) -> i32 {
     let ch = &row[c / QCHUNK * I6_CHUNK_BYTES..][..I6_CHUNK_BYTES];
     let j = c % QCHUNK;
-    let lo = (ch[j % 32] >> (4 * (j / 32))) & 0xF;
-    let hi = (ch[32 + j % 16] >> (2 * (j / 16))) & 3;
-    (lo | hi << 4) as i32 - 32
+    let v = match layout {
+        I6Layout::Split => ((ch[j % 32] >> (4 * (j / 32))) & 0xF) | ((ch[32 + j % 16] >> (2 * (j / 16))) & 3) << 4,
+        I6Layout::Groups => i6_group(&ch[j / 4 * 3..], j % 4),
+    };
+    v as i32 - 32
 }
 
 /// The reference kernel: per 32-block, the exact integer dot of each 16-column half, scaled by
@@ -1624,7 +1771,7 @@ pub fn portable_dot(act: &QAct, w: &QMat, r: usize, t: usize) -> f32 {
                     let byte = row[(c / QCHUNK) * 32 + c % 32];
                     (if c % QCHUNK < 32 { byte & 0xF } else { byte >> 4 }) as i32 - 8
                 }
-                QFormat::I6 => i6_qval(row, c),
+                QFormat::I6 => i6_qval(row, c, w.i6),
             };
             sums[j / 16] += wq * a as i32;
         }

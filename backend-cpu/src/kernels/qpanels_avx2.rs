@@ -34,7 +34,7 @@ use std::arch::x86_64::*;
 use spark_core::quant::QFormat;
 use spark_core::DType;
 
-use super::qmatmul::{QAct, QMat, I6_CHUNK_BYTES, QBLOCK, QCHUNK};
+use super::qmatmul::{I6Layout, QAct, QMat, I6_CHUNK_BYTES, QBLOCK, QCHUNK};
 // Panels of 8 weight rows (one vector of 4-column groups per plane), at most 6 tokens per call:
 // the driver's ([`super::qprefill_avx2::run_panels`]).
 use super::qprefill_avx2::{MR, ROWS};
@@ -160,10 +160,10 @@ impl<T: Copy + Default> Panel<T> {
 #[target_feature(enable = "avx2")]
 unsafe fn pack(panel: &mut Panel<u8>, w: &QMat, p0: usize) {
     let zero = if w.format == QFormat::I6 { 32.0 } else { 8.0 };
-    let (format, kp) = (w.format, w.kp);
+    let (format, layout, kp) = (w.format, w.i6_layout(), w.kp);
     // SAFETY: AVX2 (this function's precondition), and for `unpack_row`: each source is one
     // packed row of `w`'s format, each destination a panel row of kp bytes.
-    unsafe { panel.fill(w, p0, zero, |src, dst| unpack_row(format, src, kp, dst)) };
+    unsafe { panel.fill(w, p0, zero, |src, dst| unpack_row(format, layout, src, kp, dst)) };
 }
 
 /// Row `r` of `w` as row `j` of a panel's sides: its group scales into `s[g * 8 + j]` and
@@ -206,7 +206,7 @@ pub(super) unsafe fn interleave(rows: *const u8, row_bytes: usize, out: *mut u8)
 }
 
 /// One packed int6 or int4 row (`kp` columns) into its unsigned values `u = q + zero` (6 and 4
-/// bits), in column order.
+/// bits), in column order (int6 in `layout`).
 ///
 /// # Panics
 /// For int8 ([`matmul`] refuses it: the 16-bit panels take int8).
@@ -214,7 +214,7 @@ pub(super) unsafe fn interleave(rows: *const u8, row_bytes: usize, out: *mut u8)
 /// # Safety
 /// AVX2; `src` holds the row's bytes in [`QMat`]'s layout, `out` at least `kp` bytes.
 #[target_feature(enable = "avx2")]
-unsafe fn unpack_row(format: QFormat, src: &[u8], kp: usize, out: &mut [u8]) {
+unsafe fn unpack_row(format: QFormat, layout: I6Layout, src: &[u8], kp: usize, out: &mut [u8]) {
     let mask = _mm256_set1_epi8(0x0F);
     let o = out.as_mut_ptr();
     // SAFETY (all blocks below): every load reads inside `src` (the row's kp, kp / 2 or
@@ -232,7 +232,7 @@ unsafe fn unpack_row(format: QFormat, src: &[u8], kp: usize, out: &mut [u8]) {
                 }
             }
         }
-        QFormat::I6 => {
+        QFormat::I6 if layout == I6Layout::Split => {
             let three = _mm256_set1_epi8(3);
             // Columns 0..32 of a chunk take bits 0-1 (lane 0) and 2-3 (lane 1) of the top-bit
             // bytes, columns 32..64 bits 4-5 and 6-7.
@@ -250,6 +250,17 @@ unsafe fn unpack_row(format: QFormat, src: &[u8], kp: usize, out: &mut [u8]) {
                     let lo1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                     _mm256_storeu_si256(o.add(c) as *mut __m256i, _mm256_or_si256(h0, lo0));
                     _mm256_storeu_si256(o.add(c + 32) as *mut __m256i, _mm256_or_si256(h1, lo1));
+                }
+            }
+        }
+        QFormat::I6 => {
+            for (ci, chunk) in src[..kp / QCHUNK * I6_CHUNK_BYTES].chunks_exact(I6_CHUNK_BYTES).enumerate() {
+                let c = ci * QCHUNK;
+                unsafe {
+                    for h in 0..2 {
+                        let v = super::qavx2::i6_block(chunk.as_ptr(), h);
+                        _mm256_storeu_si256(o.add(c + 32 * h) as *mut __m256i, v);
+                    }
                 }
             }
         }
