@@ -423,10 +423,10 @@ impl QuantSpec {
     ///
     /// int8: symmetric per output channel (or in `group`s), every matrix. int4: asymmetric
     /// groups (a scale and a bias each; default 32 columns) for every matrix except the token
-    /// embedding / output head, which is int8 per output channel: its error goes straight into
-    /// the logits (llama.cpp's Q4_K_M keeps it in Q6_K for the same reason); and, given the
-    /// layer count, `q_k_v_proj` and `down_proj` of the [`more_bits_layer`]s, also int8 per
-    /// output channel.
+    /// embedding / output head, which is int6 in symmetric groups of 32: its error goes straight
+    /// into the logits (llama.cpp's Q4_K_M keeps it in Q6_K for the same reason); and, given the
+    /// layer count, `q_k_v_proj` and `down_proj` of the [`more_bits_layer`]s, also int6 in
+    /// groups of 32.
     pub fn plan(&self, name: &str, cols: usize) -> Result<QPlan> {
         if self.format == QFormat::I4 && (is_embedding_or_head(name) || self.more_bits(name)) {
             return QuantSpec::new(QFormat::I6, Some(32)).plan(name, cols);
@@ -437,7 +437,7 @@ impl QuantSpec {
 }
 
 impl QuantSpec {
-    /// Whether int4 keeps `name` in int8 as one of the mix's more-bits matrices.
+    /// Whether int4 keeps `name` in int6 as one of the mix's more-bits matrices.
     fn more_bits(&self, name: &str) -> bool {
         let role = ["q_k_v_proj.weight", "v_proj.weight", "mlp.down_proj.weight"].iter().any(|r| name.ends_with(r));
         match (self.layers, layer_index(name)) {
