@@ -194,3 +194,49 @@ fn tiles_round_outputs_to_nearest_even_bf16() {
         eprintln!("skipped: this CPU has neither AMX nor AVX512_BF16");
     }
 }
+
+/// bf16 decode GEMV throughput across many matrices, as a decode step streams them (not a test:
+/// `cargo test --release -p backend-cpu --test kernels bench_bf16_decode_stream -- --ignored
+/// --nocapture`): one token, bf16-valued activations rounded to bf16 (the bf16 compute dtype),
+/// `QBENCH_THREADS` threads (default 2), enough 2048 x 2048 bf16 matrices (`QBENCH_MB`, default
+/// 600) on transparent huge pages that they stream from memory; the best of `QBENCH_PASSES` (7).
+#[test]
+#[ignore]
+fn bench_bf16_decode_stream() {
+    let threads = std::env::var("QBENCH_THREADS").map_or(2, |v| v.parse().expect("QBENCH_THREADS"));
+    let mb: usize = std::env::var("QBENCH_MB").map_or(600, |v| v.parse().expect("QBENCH_MB"));
+    let passes: usize = std::env::var("QBENCH_PASSES").map_or(7, |v| v.parse().expect("QBENCH_PASSES"));
+    let (m, k) = (2048usize, 2048usize);
+    let bytes = m * k * 2;
+    let copies = (mb << 20).div_ceil(bytes);
+    let mut seed = 3u64;
+    let mats: Vec<spark_backend_cpu::huge_pages::HugeBytes> = (0..copies)
+        .map(|_| {
+            let mut b = spark_backend_cpu::huge_pages::HugeBytes::zeroed(bytes);
+            for v in b.chunks_exact_mut(2) {
+                v.copy_from_slice(&half::bf16::from_f32(lcg(&mut seed) * 0.05).to_bits().to_le_bytes());
+            }
+            b
+        })
+        .collect();
+    let x: Vec<f32> = (0..k).map(|_| half::bf16::from_f32(lcg(&mut seed)).to_f32()).collect();
+    let simd = Simd::detect();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let mut out = vec![0.0f32; m];
+    let mut best = f64::INFINITY;
+    pool.install(|| {
+        for _ in 0..passes {
+            let t = std::time::Instant::now();
+            for w in &mats {
+                let w: &[u16] = bytemuck::cast_slice(&w[..]);
+                matmul(simd, &x, 1, k, Mat::BF16(w), m, &mut out, DType::BF16);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    });
+    eprintln!(
+        "{simd:?}, {threads} threads, {copies} x {m}x{k} bf16: {:.1} GB/s, {:.1} us per matrix",
+        (bytes * copies) as f64 / best * 1e-9,
+        best / copies as f64 * 1e6
+    );
+}
