@@ -11,11 +11,14 @@
 //! Prefill ([`prefill`], 16 tokens and more, the `Avx512` level) turns the product around: the
 //! activations are transposed once per call into blocks of 32 tokens, `[k / 2][32]` bf16 pairs
 //! (two 16-lane vectors per column pair), and a micro-kernel of 12 weight rows x 32 tokens
-//! broadcasts each row's column pair from the weights in place (`vdpbf16ps` with a 32-bit
+//! broadcasts each row's column pair from the held weights (`vdpbf16ps` with a 32-bit
 //! broadcast) against the two token vectors: 24 accumulators, 14 loads per 24 instructions of
-//! 32 multiply-adds each, twice the f32 panel kernel's multiply-adds per instruction and no
-//! weight packing. Rows go in L2-sized bands (about 256 KiB of weights) that every token block
-//! sweeps before the next band, so the weights come from memory once per call.
+//! 32 multiply-adds each, twice the f32 panel kernel's multiply-adds per instruction. Rows go in
+//! L2-sized bands (about 256 KiB of weights) that every token block sweeps before the next band,
+//! so the weights come from memory once per call; each band is first copied (bf16) or
+//! dequantized (int8/int6/int4) into a buffer whose rows are 64 bytes longer than `k`: rows
+//! 4 KiB apart in place (k = 2048) put the tile's 12 broadcast streams in one L1 set of 8 ways
+//! (the padding: +7-12 % whole-model pp512 on a Zen 4, bf16 and int8).
 //!
 //! Precision: a product of two bf16 values is exact in f32, and the sums are f32, as in the
 //! float GEMV; only the summation order differs (and inputs below 2^-126 count as zero, which
@@ -255,7 +258,7 @@ unsafe fn transpose16_tokens(x: &[f32], k: usize, dst: &mut [u32]) {
     }
 }
 
-/// The weights of a [`prefill`]: bf16 rows read in place, or quantized rows dequantized to bf16
+/// The weights of a [`prefill`]: bf16 rows copied, or quantized rows dequantized to bf16,
 /// one band at a time ([`QMat::dequant_bf16`]: the exact dequantized value rounded to bf16,
 /// relative error at most 2^-9 per weight, as the AMX tiles take them).
 #[derive(Clone, Copy)]
@@ -298,12 +301,13 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
     let band = (BAND_BYTES / (2 * k)).max(1).div_ceil(ALIGN) * ALIGN;
     let chunk = super::row_chunk(m, ALIGN);
     let outp = SharedOut(out.as_mut_ptr());
+    // The held rows' stride: 64 bytes past `k`, so that the tile's 12 rows do not share an L1
+    // set when `2k` is a multiple of 4 KiB (k = 2048: 8 ways for 12 rows; +7-12 % pp512).
+    let ks = k + 32;
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let (r0, r1) = (c * chunk, (c * chunk + chunk).min(m));
-        let mut dequant = match w {
-            PrefillWeights::Bf16(_) => Vec::new(),
-            PrefillWeights::Quant(_) => vec![0u16; band.min(r1 - r0) * k],
-        };
+        // The band's rows, bf16, `ks` apart (copied or dequantized).
+        let mut held = vec![0u16; band.min(r1 - r0) * ks];
         // One token block's outputs for the band, `[token][band row]`, written out together
         // (rows of a dozen outputs per token cost 4-5 % of prefill in partial cache lines).
         let sw = band.min(r1 - r0);
@@ -311,15 +315,13 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
         for b0 in (r0..r1).step_by(band) {
             let b1 = (b0 + band).min(r1);
             // The band's first row, rows k apart.
-            let base = match w {
-                PrefillWeights::Bf16(w) => w[b0 * k..].as_ptr(),
-                PrefillWeights::Quant(q) => {
-                    for (i, row) in dequant.chunks_exact_mut(k).take(b1 - b0).enumerate() {
-                        q.dequant_bf16(b0 + i, 0, row);
-                    }
-                    dequant.as_ptr()
+            for (i, row) in held.chunks_exact_mut(ks).take(b1 - b0).enumerate() {
+                match w {
+                    PrefillWeights::Bf16(w) => row[..k].copy_from_slice(&w[(b0 + i) * k..][..k]),
+                    PrefillWeights::Quant(q) => q.dequant_bf16(b0 + i, 0, &mut row[..k]),
                 }
-            };
+            }
+            let base = held.as_ptr();
             for (tb, xb) in xt.chunks_exact(block).enumerate() {
                 let t0 = tb * PREFILL_TOKENS;
                 let nt = PREFILL_TOKENS.min(n - t0);
@@ -327,13 +329,12 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
                     let nr = PREFILL_ROWS.min(b1 - p0);
                     // Rows past the band repeat its last row; their sums are discarded.
                     let rows: [*const u16; PREFILL_ROWS] =
-                        std::array::from_fn(|i| base.add((p0 - b0 + i.min(nr - 1)) * k));
+                        std::array::from_fn(|i| base.add((p0 - b0 + i.min(nr - 1)) * ks));
                     let mut acc = [[0.0f32; PREFILL_TOKENS]; PREFILL_ROWS];
                     // bf16 output is rounded in the tile, 16 sums at a time.
                     let bf16 = round == DType::BF16;
                     // SAFETY: available() (caller); each row pointer starts a k-long row of the
-                    // band (in w, or dequantized); xb is one transposed block of k.div_ceil(2)
-                    // column pairs.
+                    // band in `held`; xb is one transposed block of k.div_ceil(2) column pairs.
                     if nt > 16 {
                         unsafe { prefill_tile::<2>(&rows, k, xb, bf16, &mut acc) };
                     } else {
