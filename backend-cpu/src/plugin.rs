@@ -11,6 +11,7 @@ use std::path::Path;
 use spark_core::plugin::{BackendFactory, DeviceInfo, OpenOptions};
 use spark_core::{Error, Executor, Model, ModelOptions, Result};
 
+use crate::kernels::qmatmul::{I6Layout, QMat};
 use crate::kernels::QSimd;
 use crate::{CpuBackend, Simd};
 
@@ -29,10 +30,12 @@ pub fn score(simd: Simd) -> i32 {
     }
 }
 
-/// The float and the integer kernel levels (e.g. `avx512f+amx-bf16, int8 avx512-vnni+amx-int8`).
+/// The float and the integer kernel levels (e.g. `avx512f+amx-bf16, int8 avx512-vnni+amx-int8,
+/// int6 vbmi`: the last where int6 is held in the layout AVX-512 VBMI unpacks).
 fn capabilities() -> String {
     let (simd, qs) = (Simd::detect(), QSimd::detect());
-    format!("{}, int8 {}", simd.name(), qs.name())
+    let i6 = if QMat::i6_layout_at(qs) == I6Layout::Groups { ", int6 vbmi" } else { "" };
+    format!("{}, int8 {}{i6}", simd.name(), qs.name())
 }
 
 /// The processor as the one device.
