@@ -94,7 +94,10 @@ mod tests {
         assert!(d[0].usable);
         assert_eq!(d[0].score, score(Simd::detect()));
         assert!(d[0].capabilities.starts_with(Simd::detect().name()), "{}", d[0].capabilities);
-        assert!(d[0].capabilities.ends_with(QSimd::detect().name()), "{}", d[0].capabilities);
+        let int8 = format!("int8 {}", QSimd::detect().name());
+        assert!(d[0].capabilities.contains(&int8), "{}", d[0].capabilities);
+        let vbmi = QMat::i6_layout_at(QSimd::detect()) == I6Layout::Groups;
+        assert_eq!(d[0].capabilities.ends_with(", int6 vbmi"), vbmi, "{}", d[0].capabilities);
     }
 
     #[test]
