@@ -25,7 +25,7 @@ use spark_core::quant::QFormat;
 
 use std::marker::PhantomData;
 
-use super::qmatmul::{I6Layout, ScaleMode, SideEl, TileArgs, H16, I6_CHUNK_BYTES, QBLOCK, SUPER_BLOCKS};
+use super::qmatmul::{I6Layout, ScaleMode, SideEl, TileArgs, TileKind, H16, I6_CHUNK_BYTES, QBLOCK, SUPER_BLOCKS};
 
 /// How a weight format turns a 32-block into `vpmaddubsw` operands.
 trait Fmt {
@@ -490,24 +490,21 @@ impl<F: Fmt, E: SideEl, const K: bool> Kernel for Sub<F, E, K> {
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 x 1 (decode)
 /// or 2 x up to 4 tokens (3 when per-block scales need registers).
 ///
-/// Scales and biases are f16 when `half`, else f32. With `sums`, [`sub_tile`] (int4 with
+/// For weights of `kind`: scales and biases f16 when `kind.half`, else f32. With `sums`, [`sub_tile`] (int4 with
 /// sub-scales or int8 per row, activations with one scale per super-block). With `sub` (int4
 /// [`ScaleMode::Pair`] with sub-scales), the per-block scales come from the sub-scales
-/// ([`SubPair`]), never from the scale array. Int6 chunks are in layout `i6`.
+/// ([`SubPair`]), never from the scale array. Int6 chunks are in layout `kind.i6`.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `args(r, t)` describes packed row `r` and token `t` of matching buffers
-/// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type `half`
+/// for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type `kind.half`
 /// says (and with `sums` or `sub`, the sub-scales [`sub_tile`] and [`SubPair`] need);
 /// `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
-    fmt: QFormat,
-    mode: ScaleMode,
-    half: bool,
+    kind: TileKind,
     sums: bool,
     sub: bool,
-    i6: I6Layout,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -516,6 +513,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
     tmp: &mut [f32],
     ld: usize,
 ) {
+    let TileKind { format: fmt, mode, half, i6 } = kind;
     // The kernel with f32 or f16 scales and biases.
     macro_rules! sides {
         ($k:ty, $kh:ty) => {

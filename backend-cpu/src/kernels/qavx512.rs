@@ -31,7 +31,7 @@ use std::arch::x86_64::*;
 
 use spark_core::quant::QFormat;
 
-use super::qmatmul::{I6Layout, ScaleMode, SideEl, TileArgs, I6_CHUNK_BYTES, QBLOCK, QCHUNK, SUPER_BLOCKS};
+use super::qmatmul::{I6Layout, ScaleMode, SideEl, TileArgs, TileKind, I6_CHUNK_BYTES, QBLOCK, QCHUNK, SUPER_BLOCKS};
 
 /// How a weight format yields the 64 unsigned bytes of a chunk.
 trait Fmt {
@@ -150,11 +150,10 @@ const I6_ROTATE: Idx = Idx { a: [4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0, 30, 30, 30,
 
 impl Fmt for I6G {
     const UNPACK: bool = true;
-    const ZERO: i32 = 32;
+    const ZERO: i32 = I6::ZERO;
     #[inline(always)]
     unsafe fn start(s: __m512i) -> __m512i {
-        // Zero point 32 in every lane.
-        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<5>(s))
+        I6::start(s)
     }
     #[inline(always)]
     unsafe fn chunk(w: *const u8, c: usize) -> __m512i {
@@ -588,23 +587,20 @@ unsafe fn tile<F: Fmt, S: Scale, E: SideEl, const R: usize, const T: usize>(a: &
 }
 
 /// Rows `r0..r1` x tokens `t0..t0+nt` into `tmp[i * ld + r - r0]`, in tiles of 4 rows x up to
-/// 4 tokens (3 for int4 with per-block scales); scales and biases on [`Grid`]s when `grid`
-/// (int4, [`ScaleMode::Pair`]), else f16 when `half`, else f32. Int4 and int6 with
+/// 4 tokens (3 for int4 with per-block scales), for weights of `kind`; scales and biases on
+/// [`Grid`]s when `grid` (int4, [`ScaleMode::Pair`]), else f16 when `kind.half`, else f32. Int4 and int6 with
 /// [`ScaleMode::Pair`] on whole super-blocks take [`PairSuper`], and so does int8 (GGUF Q8_0,
 /// `--to int8 --group 32`) at 1-3 tokens.
 ///
 /// # Safety
 /// AVX-512F/BW/VNNI and F16C; `args(r, t)` describes packed row `r` and token `t` of matching
 /// buffers for every `r0 <= r < r1`, `t0 <= t < t0 + nt`, with scales and biases of the type
-/// `grid` and `half` say (with `grid`, `ng` a multiple of 8 and the exponents set);
+/// `grid` and `kind.half` say (with `grid`, `ng` a multiple of 8 and the exponents set);
 /// `tmp.len() >= nt * ld`, `ld >= r1 - r0`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn rows_tokens<'a>(
-    fmt: QFormat,
-    mode: ScaleMode,
-    half: bool,
+    kind: TileKind,
     grid: bool,
-    i6: I6Layout,
     args: &impl Fn(usize, usize) -> TileArgs<'a>,
     r0: usize,
     r1: usize,
@@ -613,6 +609,7 @@ pub(crate) unsafe fn rows_tokens<'a>(
     tmp: &mut [f32],
     ld: usize,
 ) {
+    let TileKind { format: fmt, mode, half, i6 } = kind;
     assert!(fmt != QFormat::I6 || i6 == I6Layout::Split || vbmi(), "int6 groups need AVX-512 VBMI");
     macro_rules! go {
         (I6G, $s:ty) => {
@@ -669,37 +666,35 @@ pub(crate) unsafe fn rows_tokens<'a>(
     }
 }
 
-/// # Safety
-/// As [`rows_tokens`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn run<'a, F: Fmt, S: Scale, E: SideEl>(
-    args: &impl Fn(usize, usize) -> TileArgs<'a>,
-    r0: usize,
-    r1: usize,
-    t0: usize,
-    nt: usize,
-    tmp: &mut [f32],
-    ld: usize,
-) {
-    run_body::<F, S, E>(args, r0, r1, t0, nt, tmp, ld)
+/// `run` and `run_vbmi`: [`run_body`] compiled with each set of target features.
+macro_rules! runners {
+    ($($(#[$doc:meta])* $name:ident: $features:literal;)*) => {$(
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        unsafe fn $name<'a, F: Fmt, S: Scale, E: SideEl>(
+            args: &impl Fn(usize, usize) -> TileArgs<'a>,
+            r0: usize,
+            r1: usize,
+            t0: usize,
+            nt: usize,
+            tmp: &mut [f32],
+            ld: usize,
+        ) {
+            run_body::<F, S, E>(args, r0, r1, t0, nt, tmp, ld)
+        }
+    )*};
 }
 
-/// [`run`] compiled with AVX-512 VBMI too (for [`I6G`]; kept apart so that no other tile may
-/// use VBMI instructions).
-///
-/// # Safety
-/// As [`rows_tokens`], and AVX-512 VBMI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-unsafe fn run_vbmi<'a, F: Fmt, S: Scale, E: SideEl>(
-    args: &impl Fn(usize, usize) -> TileArgs<'a>,
-    r0: usize,
-    r1: usize,
-    t0: usize,
-    nt: usize,
-    tmp: &mut [f32],
-    ld: usize,
-) {
-    run_body::<F, S, E>(args, r0, r1, t0, nt, tmp, ld)
+runners! {
+    /// # Safety
+    /// As [`rows_tokens`].
+    run: "avx512f,avx512bw,avx512vnni,avx2,fma,f16c";
+    /// [`run`] compiled with AVX-512 VBMI too (for [`I6G`]; kept apart so that no other tile
+    /// may use VBMI instructions).
+    ///
+    /// # Safety
+    /// As [`rows_tokens`], and AVX-512 VBMI.
+    run_vbmi: "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c";
 }
 
 /// The loop over [`tile`]s that [`run`] and [`run_vbmi`] compile.

@@ -276,6 +276,17 @@ fn repack_int6_row(src: &[u8], cols: usize, dst: &mut [u8], layout: I6Layout) {
     }
 }
 
+/// What the SIMD tiles dispatch on: a [`QMat`]'s format, scale layout, side type (f16 when
+/// `half`, else f32) and int6 layout.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TileKind {
+    pub(crate) format: QFormat,
+    pub(crate) mode: ScaleMode,
+    pub(crate) half: bool,
+    pub(crate) i6: I6Layout,
+}
+
 /// Bytes of one 64-column int6 chunk in [`QMat`] (either [`I6Layout`]).
 pub const I6_CHUNK_BYTES: usize = 48;
 
@@ -1678,7 +1689,7 @@ pub(super) fn rows_tokens(
     };
     let ld = r1 - r0;
     #[cfg(target_arch = "x86_64")]
-    let half = w.half_sides();
+    let kind = TileKind { format: w.format, mode: w.mode, half: w.half_sides(), i6: w.i6 };
     match qs {
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx2 if sgrid.is_none() => {
@@ -1687,23 +1698,7 @@ pub(super) fn rows_tokens(
             // per row of `side_bytes` each (f16 exactly when `half`); with `sums`, the
             // activations share one scale per super-block and an int4 `w` has sub-scales, which
             // the tiles' `k` and `unit` point into (as with `sub`); `tmp` holds nt * ld.
-            unsafe {
-                super::qavx2::rows_tokens(
-                    w.format,
-                    w.mode,
-                    half,
-                    sums,
-                    sub.is_some(),
-                    w.i6,
-                    &args,
-                    r0,
-                    r1,
-                    t0,
-                    nt,
-                    tmp,
-                    ld,
-                )
-            }
+            unsafe { super::qavx2::rows_tokens(kind, sums, sub.is_some(), &args, r0, r1, t0, nt, tmp, ld) }
         }
         #[cfg(target_arch = "x86_64")]
         QSimd::Avx512Vnni | QSimd::AmxInt8 => {
@@ -1711,22 +1706,7 @@ pub(super) fn rows_tokens(
             // and AVX2/FMA/F16C; tiles as above; with `sgrid`, scales and biases are `Grid`s
             // (int4, `ScaleMode::Pair`, whole super-blocks: `QMat::with_grid_sides`) and the
             // tiles' `s`, `b`, `sexp` and `bexp` point into them.
-            unsafe {
-                super::qavx512::rows_tokens(
-                    w.format,
-                    w.mode,
-                    half,
-                    sgrid.is_some(),
-                    w.i6,
-                    &args,
-                    r0,
-                    r1,
-                    t0,
-                    nt,
-                    tmp,
-                    ld,
-                )
-            }
+            unsafe { super::qavx512::rows_tokens(kind, sgrid.is_some(), &args, r0, r1, t0, nt, tmp, ld) }
         }
         _ => {
             for i in 0..nt {
