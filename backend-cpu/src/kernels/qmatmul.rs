@@ -32,12 +32,11 @@
 //! [`I6Layout::Split`], those 32 bytes of low nibbles then 16 bytes of top bits (element
 //! `16 i + j` at bits `2i` of byte `32 + j`), or [`I6Layout::Groups`], 16 groups of 3 bytes each
 //! holding four elements as a big-endian 24-bit number ([`i6_group`]). The int6 kernels may read
-//! up to 16 bytes past a chunk: the buffer has 64 readable bytes after the last row (and 64
-//! before the first). Scales and biases are the
-//! tensor's values (`[rows, cols / group]`), held as f16 when they fit one
-//! ([`QTensor::sides_fit_f16`]: exact, or within 2^-11 for GGUF K-quant products) and this CPU's
-//! kernels gain from it ([`Side`], [`QMat::f16_sides_pay`]), else as the tensor's own f32 array;
-//! a table maps each 16-column half-block to its group,
+//! up to 16 bytes past a chunk: the buffer has 64 readable bytes after the last row
+//! ([`QMat::packed_ptr`]). Scales and biases are the tensor's values (`[rows, cols / group]`),
+//! held as f16 when they fit one ([`QTensor::sides_fit_f16`]: exact, or within 2^-11 for GGUF
+//! K-quant products) and this CPU's kernels gain from it ([`Side`], [`QMat::f16_sides_pay`]),
+//! else as the tensor's own f32 array; a table maps each 16-column half-block to its group,
 //! and per-row scales (`group == cols`) are applied once after the row's sum. Group sizes must
 //! be multiples of 16 ([`QMat::supports`]); the backend dequantizes others at upload.
 //!
@@ -290,8 +289,9 @@ pub(crate) struct TileKind {
 /// Bytes of one 64-column int6 chunk in [`QMat`] (either [`I6Layout`]).
 pub const I6_CHUNK_BYTES: usize = 48;
 
-/// For [`QMat::dequant_avx512`]'s int6: lane `j` takes byte `3 (j / 4) + k` of
-/// `I6_LANE_BYTE[k]`, and shifts their 24-bit number right by `I6_LANE_SHIFT[j]`.
+/// For [`QMat::dequant_avx512`]'s int6 groups: `I6_LANE_BYTE[k]` gives lane `j` byte
+/// `3 (j / 4) + k` (byte `k` of its group), and lane `j` shifts the group's 24-bit number right
+/// by `I6_LANE_SHIFT[j]`.
 #[cfg(target_arch = "x86_64")]
 const I6_LANE_BYTE: [Lanes; 3] = [i6_lane_bytes(0), i6_lane_bytes(1), i6_lane_bytes(2)];
 #[cfg(target_arch = "x86_64")]
@@ -648,11 +648,11 @@ impl QMat {
             QFormat::I6 => kp / QCHUNK * I6_CHUNK_BYTES,
         };
         // Zeroed (the allocator's fresh pages): int8 padding is q = 0; int4 and int6 rows are
-        // written whole below, their padding as 8 or 32 (q = 0). The first row starts 64 to 127
-        // bytes in (64-byte aligned) and at least 64 bytes follow the last: the int6 kernels
-        // read a little outside each chunk (the module's doc).
-        let mut data = HugeBytes::zeroed(rows * rb + 192);
-        let off = 64 + data.as_ptr().align_offset(64).min(64);
+        // written whole below, their padding as 8 or 32 (q = 0). The first row is 64-byte
+        // aligned and at least 64 bytes follow the last: the int6 kernels read up to 16 bytes
+        // past a chunk (the module's doc).
+        let mut data = HugeBytes::zeroed(rows * rb + 128);
+        let off = data.as_ptr().align_offset(64).min(64);
         // Rows in parallel (the pages are first touched here, by the worker that fills them),
         // 64 rows per task.
         data[off..off + rows * rb].par_chunks_mut(64 * rb).enumerate().for_each(|(ci, block)| {
@@ -806,8 +806,8 @@ impl QMat {
     pub fn packed(&self) -> &[u8] {
         &self.data[self.off..self.off + self.rows * self.row_bytes()]
     }
-    /// The first packed row, as a pointer into the whole buffer: kernels may read the 64
-    /// bytes before it and after the last row (the module's doc).
+    /// The first packed row, as a pointer into the whole buffer: kernels may read the 64 bytes
+    /// after the last row (the module's doc).
     pub fn packed_ptr(&self) -> *const u8 {
         self.data.as_ptr().wrapping_add(self.off)
     }
