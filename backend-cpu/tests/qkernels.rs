@@ -223,6 +223,59 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
     }
 }
 
+/// The VNNI prefill (weights in 16-row panels, tokens broadcast) against the f64 reference on
+/// the same quantized activations: int8, int6 (both layouts) and int4, scales per row or per
+/// 32 / 64 / 128 columns (f32 and f16), with and without biases, odd row counts (partial
+/// panels and bands), token counts that leave partial tiles, columns with padding, one and two
+/// threads; bf16 output as the f32 output rounded.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn vnni_prefill_matches_f64_reference_on_the_same_quantized_activations() {
+    use spark_backend_cpu::kernels::qprefill_vnni;
+    if QSimd::detect() < QSimd::Avx512Vnni {
+        eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        return;
+    }
+    let mut seed = 43u64;
+    let pools: Vec<_> =
+        [1, 2].iter().map(|&t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap()).collect();
+    let mut ran = 0;
+    for &(cols, rows) in &[(32, 37), (160, 70), (2080, 19), (256, 301), (1088, 160)] {
+        for (format, group, bias, half, what) in combos(cols) {
+            let qt = random_q(rows, cols, format, group, bias, half, &mut seed);
+            let deq = qt.dequantize();
+            for &layout in layouts(format) {
+                let w = QMat::with_layout(&qt, half, layout);
+                if !qprefill_vnni::takes(QSimd::Avx512Vnni, &w, qprefill_vnni::MIN_TOKENS) {
+                    let vbmi = std::arch::is_x86_feature_detected!("avx512vbmi");
+                    assert!(group % 32 != 0 || (layout == I6Layout::Groups && !vbmi), "{what}: not taken");
+                    continue;
+                }
+                for &n in &[12usize, 32, 33, 47, 70] {
+                    let x = random_x(n, cols, &mut seed);
+                    let act = QAct::quantize(&x, n, cols, &w);
+                    let (want, mag) = f64_reference(&deq, &act, rows, cols);
+                    for pool in &pools {
+                        let threads = pool.current_num_threads();
+                        let mut out = vec![f32::NAN; n * rows];
+                        pool.install(|| qprefill_vnni::matmul(&x, n, cols, &w, &mut out, DType::F32));
+                        assert_matches_reference(&out, &want, &mag, || {
+                            format!("{what} {threads} threads n={n} cols={cols} rows={rows}")
+                        });
+                        let mut bf = vec![f32::NAN; n * rows];
+                        pool.install(|| qprefill_vnni::matmul(&x, n, cols, &w, &mut bf, DType::BF16));
+                        for (i, (&b, &o)) in bf.iter().zip(&out).enumerate() {
+                            assert_eq!(b.to_bits(), spark_core::dtype::round_bf16(o).to_bits(), "{what} bf16 out[{i}]");
+                        }
+                        ran += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(ran >= 5 * 10 * 5 * 2, "too few cases ran: {ran}");
+}
+
 /// Int4 in groups of 32 as `spark-run quantize` writes it (steps `k * u` per super-block) gets
 /// integer sub-scales, and at the AVX2 level its activations share one scale per super-block
 /// and the super-block kernel sums each super-block in integers, as for int8 with per-row
@@ -1123,6 +1176,21 @@ fn bench_kernels() {
                         let s = time(&mut || qprefill_avx2::matmul(&x, n, k, wp, &mut out, DType::F32));
                         report("AVX2 prefill panels", s, pbytes);
                     }
+                    #[cfg(target_arch = "x86_64")]
+                    if spark_backend_cpu::kernels::qprefill_vnni::takes(QSimd::Avx512Vnni, &w, n) {
+                        use spark_backend_cpu::kernels::qprefill_vnni;
+                        let s = time(&mut || qprefill_vnni::matmul(&x, n, k, &w, &mut out, DType::BF16));
+                        report("VNNI prefill", s, qt.nbytes());
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if n >= 16 && spark_backend_cpu::kernels::avx512bf16::available() {
+                        use spark_backend_cpu::kernels::avx512bf16;
+                        let xb: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                        let wq = avx512bf16::PrefillWeights::Quant(&w);
+                        // SAFETY: available() checked AVX512F/BW/BF16.
+                        let s = time(&mut || unsafe { avx512bf16::prefill(&xb, n, k, wq, m, &mut out, DType::BF16) });
+                        report("bf16 prefill, dequantized", s, qt.nbytes());
+                    }
                     if n >= 16 && Simd::detect() >= Simd::Avx2 {
                         let s = time(&mut || quant_panels(Simd::Avx2, &x, n, k, &w, &mut out, DType::F32));
                         report("AVX2 f32 panels", s, qt.nbytes());
@@ -1197,6 +1265,7 @@ fn dequantized_bf16_prefill_matches_reference() {
     let mut seed = 99u64;
     let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
     let be = CpuBackend::with_simd(Some(2), level).unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     for &(format, group, bias, half) in &[
         (QFormat::I8, 0usize, false, false),
         (QFormat::I8, 32, false, true),
@@ -1224,22 +1293,38 @@ fn dequantized_bf16_prefill_matches_reference() {
                         assert_eq!(bits[c], want, "{format} g{g} row {r} col {c}");
                     }
                 }
+                let check = |x: &[f32], held: &[f32], out: &[f32]| {
+                    for t in 0..n {
+                        for r in 0..m {
+                            let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(held[r * k + c]) as f64).sum();
+                            let got = out[t * m + r] as f64;
+                            let tol = (exact.abs() / 128.0).max(1e-3);
+                            assert!(
+                                (got - bfv(exact as f32) as f64).abs() <= tol,
+                                "{format} g{g} bias {bias} n={n} k={k} m={m} [{t},{r}]: {got} vs {exact}"
+                            );
+                        }
+                    }
+                };
                 let x: Vec<f32> = random_x(n, k, &mut seed).into_iter().map(bfv).collect();
+                let mut out = CpuTensor { rows: n, cols: m, data: vec![f32::NAN; n * m] };
+                #[cfg(target_arch = "x86_64")]
+                if level == Simd::Avx512 {
+                    // The VNNI prefill takes most of these weights in the backend at this level
+                    // (`vnni_prefill_matches_f64_reference_on_the_same_quantized_activations`),
+                    // so the dequantized bf16 prefill runs directly, on this QMat.
+                    use spark_backend_cpu::kernels::avx512bf16;
+                    let held = as_held(&q, half).dequantize();
+                    let wq = avx512bf16::PrefillWeights::Quant(&qm);
+                    // SAFETY: available() checked AVX512F/BW/BF16.
+                    pool.install(|| unsafe { avx512bf16::prefill(&x, n, k, wq, m, &mut out.data, DType::BF16) });
+                    check(&x, &held, &out.data);
+                    continue;
+                }
                 let w = be.upload_quant(&q, WeightRole::Matrix, DType::BF16).unwrap();
                 let xt = CpuTensor { rows: n, cols: k, data: x.clone() };
-                let mut out = be.alloc(n, m).unwrap();
                 be.matmul(&xt, &w, &mut out, DType::BF16).unwrap();
-                for t in 0..n {
-                    for r in 0..m {
-                        let exact: f64 = (0..k).map(|c| x[t * k + c] as f64 * bfv(held[r * k + c]) as f64).sum();
-                        let got = out.data[t * m + r] as f64;
-                        let tol = (exact.abs() / 128.0).max(1e-3);
-                        assert!(
-                            (got - bfv(exact as f32) as f64).abs() <= tol,
-                            "{format} g{g} bias {bias} n={n} k={k} m={m} [{t},{r}]: {got} vs {exact}"
-                        );
-                    }
-                }
+                check(&x, &held, &out.data);
             }
         }
     }

@@ -63,7 +63,9 @@ pub fn bf16_prefill_takes(simd: Simd, n: usize) -> bool {
 }
 /// Whether an int8/int4 matmul of `n` tokens with bf16 activations runs the `vdpbf16ps` prefill
 /// on weights dequantized to bf16 ([`super::avx512bf16::prefill`]) at the `Avx512` level (CPUs
-/// with AVX512_BF16, no AMX) instead of the W8A8 / W4A8 VNNI kernels: from 32 tokens for int4,
+/// with AVX512_BF16, no AMX) instead of the W8A8 / W4A8 VNNI kernels, where the VNNI prefill
+/// ([`super::qprefill_vnni`], about twice the multiply-adds per instruction; checked first by
+/// [`super::qmatmul::quant_matmul`]) does not take the weights (16-column groups): from 32 tokens for int4,
 /// 64 for int8, where it overtook them (whole-model prefill, 1.7B shape, 2 threads, Zen 5, 2
 /// alternations: int4 pp32 81-84 against 73-75 tok/s, pp24 76-88 against 56-81 the other way;
 /// int8 pp64 99-133 against 103, pp32 87-91 against 100-112 the other way).

@@ -39,6 +39,7 @@ pub mod qmatmul;
 pub mod qpanels16_avx2;
 pub mod qpanels_avx2;
 pub mod qprefill_avx2;
+pub mod qprefill_vnni;
 
 pub use gelu::gelu_erf;
 

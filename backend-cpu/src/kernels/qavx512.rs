@@ -166,6 +166,36 @@ impl Fmt for I6G {
     }
 }
 
+/// Chunk `c` (64 columns) of a packed row `w` as 64 bytes `q + zero` in column order: int8 `q +
+/// 128`, int4 its nibbles (`q + 8`), int6 `q + 32`; what [`super::qprefill_vnni`] repacks.
+///
+/// # Safety
+/// AVX-512F/BW/VNNI, and AVX-512 VBMI for int6 in [`I6Layout::Groups`]; `w` holds the row's
+/// chunks up to `c` in the format's layout (int6: and 16 readable bytes past chunk `c`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn column_chunk(format: QFormat, i6: I6Layout, w: *const u8, c: usize) -> __m512i {
+    match format {
+        QFormat::I8 => I8::chunk(w, c),
+        QFormat::I4 => {
+            // The 32 bytes in both halves, the high half's shifted down: the low nibbles are
+            // columns 0-31, the high ones 32-63.
+            let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(c * 32) as *const __m256i));
+            _mm512_and_si512(_mm512_srlv_epi16(v, I6_NIBBLE_SHIFT.v), _mm512_set1_epi8(0x0F))
+        }
+        QFormat::I6 if i6 == I6Layout::Split => I6::chunk(w, c),
+        QFormat::I6 => column_chunk_vbmi(w, c),
+    }
+}
+
+/// [`column_chunk`] of int6 in [`I6Layout::Groups`].
+///
+/// # Safety
+/// As [`column_chunk`], with AVX-512 VBMI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi")]
+unsafe fn column_chunk_vbmi(w: *const u8, c: usize) -> __m512i {
+    I6G::chunk(w, c)
+}
+
 /// Whether this CPU has AVX-512 VBMI (cached): the int6 tiles then unpack with [`I6`].
 pub(crate) fn vbmi() -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

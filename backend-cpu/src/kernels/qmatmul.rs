@@ -45,7 +45,9 @@
 //! int8 rows then stay in cache while every row tile of the chunk runs over them) and register
 //! tiles of `R` rows x `T` tokens (each weight load reused for `T` tokens, each activation load
 //! for `R` rows). Paths: [`super::qavx512`] (VNNI), [`super::qavx2`] (`vpmaddubsw`), and the
-//! portable scalar kernel here, which is the reference. One exception to the int8 activations:
+//! portable scalar kernel here, which is the reference. From 12 tokens at the VNNI level,
+//! [`quant_matmul`] runs the same product on weights repacked into 16-row panels
+//! ([`super::qprefill_vnni`]). One exception to the int8 activations:
 //! at the AVX2 and VNNI levels, int8 weights with a scale per row in steps of at most four
 //! tokens go to [`super::qdecode16`] (16-bit activations, one scale per 256 columns).
 
@@ -1548,13 +1550,22 @@ impl SideEl for H16 {
 /// The one place a quantized matmul at float level `simd` picks its kernel: AMX INT8 tiles
 /// where they take the shape ([`super::amx_int8::takes`]); else, from
 /// [`super::matmul::AMX_QUANT_MIN_TOKENS`] tokens with bf16 activations, AMX BF16 on
-/// dequantized tiles ([`super::amx`]); at the AVX2 integer level (no VNNI) from 32 tokens,
+/// dequantized tiles ([`super::amx`]); at the VNNI level (no AMX) from
+/// [`super::qprefill_vnni::MIN_TOKENS`] tokens, the VNNI prefill on 16-row panels (scales per
+/// row or per multiple of 32 columns), and for the other layouts with bf16 activations the
+/// `vdpbf16ps` prefill on dequantized weights ([`super::matmul::avx512_quant_prefill_takes`]);
+/// at the AVX2 integer level (no VNNI) from 32 tokens,
 /// integer panels ([`super::qprefill_avx2::takes`]: int4 with sub-scales in
 /// [`super::qprefill_avx2`], int8 in [`super::qpanels16_avx2`], int6 and int4 without
 /// sub-scales in [`super::qpanels_avx2`]); else the integer
 /// kernels of `simd`'s level ([`qmatmul`]).
 pub fn quant_matmul(simd: super::Simd, x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     let qs = simd.qsimd().min(QSimd::detect());
+    #[cfg(target_arch = "x86_64")]
+    if super::qprefill_vnni::takes(qs, w, n) {
+        super::qprefill_vnni::matmul(x, n, k, w, out, round);
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if super::matmul::avx512_quant_prefill_takes(simd, w.format, n)
         && round == DType::BF16
