@@ -311,4 +311,19 @@ mod tests {
         assert!(worker.is_some(), "run_step must run the step on a worker of the backend's pool");
         assert_eq!(threads_seen.len(), 2, "ops inside a step must still use every worker: {threads_seen:?}");
     }
+
+    /// A step that panics inside a parallel loop reaches the caller, and the pool runs the next
+    /// step (on 1, 2 and 3 threads).
+    #[test]
+    fn a_panicking_step_releases_the_pool() {
+        for threads in 1..=3 {
+            let b = CpuBackend::new(Some(threads)).unwrap();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                b.run_step(|| (0..1000).into_par_iter().for_each(|i| assert!(i != 777, "deliberate failure")))
+            }));
+            assert!(r.is_err(), "{threads} threads: the panic must reach the caller");
+            let n: usize = b.run_step(|| (0..1000).into_par_iter().map(|i| i % 3).sum());
+            assert_eq!(n, 999, "{threads} threads");
+        }
+    }
 }
