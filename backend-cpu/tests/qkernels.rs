@@ -1265,6 +1265,7 @@ fn dequantized_bf16_prefill_matches_reference() {
     let mut seed = 99u64;
     let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
     let be = CpuBackend::with_simd(Some(2), level).unwrap();
+    #[cfg(target_arch = "x86_64")]
     let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
     for &(format, group, bias, half) in &[
         (QFormat::I8, 0usize, false, false),
