@@ -227,7 +227,8 @@ fn integer_kernels_match_f64_reference_on_the_same_quantized_activations() {
 /// the same quantized activations: int8, int6 (both layouts) and int4, scales per row or per
 /// 32 / 64 / 128 columns (f32 and f16), with and without biases, odd row counts (partial
 /// panels and bands), token counts that leave partial tiles, columns with padding, one and two
-/// threads; bf16 output as the f32 output rounded.
+/// threads; bf16 output as the f32 output rounded; a non-finite activation gives NaN in its
+/// token's outputs only.
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn vnni_prefill_matches_f64_reference_on_the_same_quantized_activations() {
@@ -274,6 +275,24 @@ fn vnni_prefill_matches_f64_reference_on_the_same_quantized_activations() {
         }
     }
     assert!(ran >= 5 * 10 * 5 * 2, "too few cases ran: {ran}");
+    // A non-finite activation makes its token's outputs NaN (the block's scale carries it), and
+    // only that token's.
+    for (format, group, bias) in [(QFormat::I8, 160, false), (QFormat::I4, 32, true)] {
+        let qt = random_q(70, 160, format, group, bias, true, &mut seed);
+        let w = QMat::with_sides(&qt, true);
+        let mut x = random_x(20, 160, &mut seed);
+        x[5 * 160 + 40] = f32::NAN;
+        x[9 * 160 + 100] = f32::INFINITY;
+        let mut out = vec![0.0f32; 20 * 70];
+        qprefill_vnni::matmul(&x, 20, 160, &w, &mut out, DType::BF16);
+        for (t, row) in out.chunks(70).enumerate() {
+            if t == 5 || t == 9 {
+                assert!(row.iter().all(|v| v.is_nan()), "{format}: token {t} must be NaN: {row:?}");
+            } else {
+                assert!(row.iter().all(|v| v.is_finite()), "{format}: token {t} must be finite");
+            }
+        }
+    }
 }
 
 /// Int4 in groups of 32 as `spark-run quantize` writes it (steps `k * u` per super-block) gets
