@@ -1,24 +1,28 @@
-//! AVX-512 VNNI prefill for int8 weights (x86-64): what `spark-run quantize --to int8` writes
-//! (one scale per row) and GGUF Q8_0 (one per 32 columns), from [`MIN_TOKENS`] tokens on, on
-//! CPUs with VNNI and without AMX (Zen 4 and later; Ice Lake and later parts without AMX).
+//! AVX-512 VNNI prefill for quantized weights (x86-64): int8, int6 and int4 with one scale per
+//! row or per multiple of 32 columns (what `spark-run quantize` writes, GGUF Q8_0 / Q4_0 /
+//! Q4_K; not Q6_K's 16-column groups), from [`MIN_TOKENS`] tokens on, on CPUs with VNNI and
+//! without AMX (Zen 4 and later; Ice Lake and later parts without AMX).
 //!
 //! The weights go in L2-sized bands (about 256 KiB), each repacked once per call into panels of
-//! 16 rows, `[kp / 4][16][4]` bytes held as `w + 128` (unsigned: `vpdpbusd`'s first operand), so
-//! one 64-byte load gives four columns of 16 rows. A micro-kernel of 2 panels x 6 tokens
-//! broadcasts each token's next four int8 activations (read in place from [`QAct`]) against the
-//! two panel vectors: 12 `vpdpbusd` of 64 multiply-adds each (twice a `vdpbf16ps`) per 8 loads.
-//! Every 32 columns the integer sums go into f32 accumulators held in registers (a conversion
-//! and an FMA by the token's scale; for weights with a scale per 32-block, a multiply by the
-//! panel's 16 block scales first), and the sums leave the registers once per tile as rows of
-//! output, rounded there. Loops in L1 on one Zen 4 core: 194-201 GMAC/s, against 110-116 for a
-//! `vdpbf16ps` tile on bf16 weights ([`super::avx512bf16::prefill`], which int8 took before).
+//! 16 rows, `[kp / 4][16][4]` bytes held as `q + zero` (unsigned, `vpdpbusd`'s first operand:
+//! int8 `q + 128`, int6 `q + 32`, int4 its nibbles, `q + 8`), so one 64-byte load gives four
+//! columns of 16 rows. A micro-kernel of 2 panels x 6 tokens broadcasts each token's next four
+//! int8 activations (read in place from [`QAct`]) against the two panel vectors: 12 `vpdpbusd`
+//! of 64 multiply-adds each (twice a `vdpbf16ps`) per 8 loads. Every 32 columns the integer
+//! sums go into f32 accumulators held in registers (a conversion and an FMA by the token's
+//! scale; for weights with a scale per block, a multiply by the panel's 16 block scales first;
+//! with biases, one more FMA: the block biases times the token's block sum), and the sums leave
+//! the registers once per tile as rows of output, rounded there. Loops in L1 on one Zen 4 core:
+//! 194-201 GMAC/s, against 110-116 for a `vdpbf16ps` tile on bf16 weights
+//! ([`super::avx512bf16::prefill`], which these weights took before at 32+ tokens).
 //!
-//! Precision: exactly the W8A8 product of [`super::qmatmul`]: the activations are
-//! [`QAct::quantize`]'s (int8 per 32-block, `d = max|x| / 127`), the weights the stored int8
-//! values; each block's integer sum is exact in i32 (`sum (w + 128) q - 128 sum q`, the
-//! accumulator starting from `-128 *` the token's sum over the block) and is scaled by `d`
-//! (and the block's weight scale) in f32; a scale per row multiplies the row's sum at the end.
-//! Only the f32 summation order differs from the other W8A8 kernels.
+//! Precision: exactly the W8A8 / W6A8 / W4A8 product of [`super::qmatmul`]: the activations are
+//! [`QAct::quantize`]'s (int8 per 32-block, `d = max|x| / 127`), the weights the stored integer
+//! values; each block's integer sum is exact in i32 (`sum (q + zero) a - zero sum a`, the
+//! accumulator starting from `-zero *` the token's sum over the block) and is scaled by `d`
+//! (and the block's weight scale) in f32, the bias term added as `bias * d * sum a`; a scale
+//! per row without biases multiplies the row's sum at the end. Only the f32 summation order
+//! differs from the other integer kernels.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -31,8 +35,10 @@ use spark_core::DType;
 use super::qmatmul::{I6Layout, QAct, QMat, ScaleMode, QBLOCK};
 use super::{QSimd, SharedOut};
 
-/// Fewest tokens for this kernel; fewer go to the VNNI W8A8 tiles
-/// ([`super::qmatmul::qmatmul`]).
+/// Fewest tokens for this kernel; fewer go to the VNNI integer tiles, which need no repacking
+/// ([`super::qmatmul::qmatmul`]). Whole-model int8 and int4 prefill on a 2-vCPU Zen 4 gained
+/// from 12 tokens on (+25 % and +20 % there) and were level at 6-8 (docs/BENCHMARKS.md, session
+/// 43).
 pub const MIN_TOKENS: usize = 12;
 /// Rows per panel (one register of i32 sums).
 const PANEL: usize = 16;
@@ -63,7 +69,7 @@ fn zero_point(format: QFormat) -> i32 {
     }
 }
 
-/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for the int8 weight `w` (`[m, k]`) and
+/// `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for the quantized weight `w` (`[m, k]`) and
 /// `n` tokens of activations `x` (`[n, k]`), rows split across the rayon pool.
 pub fn matmul(x: &[f32], n: usize, k: usize, w: &QMat, out: &mut [f32], round: DType) {
     assert!(takes(QSimd::Avx512Vnni, w, MIN_TOKENS), "VNNI prefill: {w:?} on this CPU");
