@@ -73,6 +73,12 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
         (3, 64, 600),
         (16, 96, 530),
         (1, 64, 33),
+        // One token (a row at a time on AVX512_BF16): a whole 32-column step after the 64-column
+        // body, masked tails, k under one step.
+        (1, 96, 7),
+        (1, 71, 9),
+        (1, 130, 21),
+        (1, 3, 4),
         (7, 70, 19),
         // The AVX512_BF16 prefill: odd k (a lone last column), token tails of 1-16 and 17-31,
         // row tails of its 12-row tiles, several 32-token blocks.

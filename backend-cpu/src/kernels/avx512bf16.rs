@@ -1,12 +1,13 @@
 //! AVX-512 BF16 small-batch matmul (x86-64): bf16 weights times bf16-valued activations with
-//! `vdpbf16ps`, for batches of 2-15 tokens on CPUs with AVX512_BF16 but without AMX (Zen 4 and
+//! `vdpbf16ps`, for batches of 1-15 tokens on CPUs with AVX512_BF16 but without AMX (Zen 4 and
 //! later; with AMX the tile kernel is faster at every batch size, see `matmul::bf16_dot_takes`).
 //!
 //! Each `vdpbf16ps` multiplies 32 bf16 weights of a row by 32 bf16 activations of a token and
 //! adds the 16 pair sums into 16 f32 lanes, so the weights need no conversion and no repack:
-//! rows are read in place, four (one token) or eight at a time, every weight byte streamed once
-//! per call while the next rows are prefetched (`Prefetcher`); tokens go in blocks of up
-//! to four over the same rows (those rows are then in L1).
+//! rows are read in place, every weight byte streamed once per call. One token reads a row at
+//! a time (one address stream per thread, which the hardware prefetcher follows); more go in
+//! blocks of up to four tokens over four rows, while the next rows are prefetched
+//! (`Prefetcher`; later token blocks find these rows in L1).
 //!
 //! Prefill ([`prefill`], 16 tokens and more, the `Avx512` level) turns the product around: the
 //! activations are transposed once per call into blocks of 32 tokens, `[k / 2][32]` bf16 pairs
@@ -105,12 +106,17 @@ unsafe fn rows(
     m: usize,
     round: DType,
 ) {
+    if n == 1 {
+        for r in r0..r1 {
+            out.put(r, round.round(row_dot(xb.as_ptr(), w.as_ptr().add(r * k), k)));
+        }
+        return;
+    }
     let mut r = r0;
     while r < r1 {
-        // One token: eight rows (eight independent sums in flight); more: four rows x four tokens.
-        let nr = match (n, r1 - r) {
-            (1, left) if left >= 8 => 8,
-            (_, left) if left >= 4 => 4,
+        // Four rows x four tokens.
+        let nr = match r1 - r {
+            left if left >= 4 => 4,
             _ => 1,
         };
         let mut t = 0;
@@ -139,6 +145,38 @@ unsafe fn rows(
         }
         r += nr;
     }
+}
+
+/// One token's dot product with one row: `sum_j x[j] * w[j]` over `k` bf16 (`x` zero padded to
+/// a multiple of [`KS`]), two accumulators of 64 bytes.
+///
+/// A decode GEMV reads the rows one after the other, so each thread streams one run of
+/// addresses and the hardware prefetcher follows it across page boundaries without help. Four or
+/// eight rows at once with software prefetch (this file's tiles, the AVX2 GEMV) streamed 10-15 %
+/// slower on one thread of a Zen 4 from 4 KiB pages (docs/BENCHMARKS.md, session 44).
+///
+/// # Safety
+/// AVX512F/BW/BF16; `w` points at `k` readable bf16, `x` at `k.div_ceil(KS) * KS`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+unsafe fn row_dot(x: *const u16, w: *const u16, k: usize) -> f32 {
+    let load = |p: *const u16| -> __m512bh { std::mem::transmute(_mm512_loadu_si512(p as *const _)) };
+    let mut a0 = _mm512_setzero_ps();
+    let mut a1 = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 2 * KS <= k {
+        a0 = _mm512_dpbf16_ps(a0, load(w.add(i)), load(x.add(i)));
+        a1 = _mm512_dpbf16_ps(a1, load(w.add(i + KS)), load(x.add(i + KS)));
+        i += 2 * KS;
+    }
+    while i < k {
+        // The row tail: only the valid bf16 (the activations' padding is zero too).
+        let mask: __mmask32 = if k - i >= KS { u32::MAX } else { (1u32 << (k - i)) - 1 };
+        let wv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, w.add(i) as *const i16));
+        a0 = _mm512_dpbf16_ps(a0, wv, load(x.add(i)));
+        i += KS;
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
 }
 
 /// One register tile's operands.
@@ -322,11 +360,31 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
                 }
             }
             let base = held.as_ptr();
+            // With one block of at most 16 tokens, the next band of bf16 rows streams into L2
+            // while the tiles run over this one, a share per tile, so that copying it into
+            // `held` reads from L2. At 16 tokens the copy from memory, not overlapped, had been a
+            // third of the time (pp16 +15-30 %). With more tokens the copy is a smaller part, and
+            // the prefetching tile of 32 tokens, short of registers, ran slower (pp24 -25 %).
+            let fetch = n <= 16;
+            let (next, next_rows) = (b1, (b1 + band).min(r1) - b1);
+            let tiles = (b1 - b0).div_ceil(PREFILL_ROWS);
+            let share = next_rows.div_ceil(tiles);
             for (tb, xb) in xt.chunks_exact(block).enumerate() {
                 let t0 = tb * PREFILL_TOKENS;
                 let nt = PREFILL_TOKENS.min(n - t0);
-                for p0 in (b0..b1).step_by(PREFILL_ROWS) {
+                for (i, p0) in (b0..b1).step_by(PREFILL_ROWS).enumerate() {
                     let nr = PREFILL_ROWS.min(b1 - p0);
+                    let first = (i * share).min(next_rows);
+                    let pf = match w {
+                        PrefillWeights::Bf16(w) if fetch => Prefetcher::rows(
+                            w.as_ptr() as *const u8,
+                            2 * k,
+                            next + first,
+                            share.min(next_rows - first),
+                            k.div_ceil(2),
+                        ),
+                        _ => Prefetcher::none(),
+                    };
                     // Rows past the band repeat its last row; their sums are discarded.
                     let rows: [*const u16; PREFILL_ROWS] =
                         std::array::from_fn(|i| base.add((p0 - b0 + i.min(nr - 1)) * ks));
@@ -335,10 +393,10 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
                     let bf16 = round == DType::BF16;
                     // SAFETY: available() (caller); each row pointer starts a k-long row of the
                     // band in `held`; xb is one transposed block of k.div_ceil(2) column pairs.
-                    if nt > 16 {
-                        unsafe { prefill_tile::<2>(&rows, k, xb, bf16, &mut acc) };
-                    } else {
-                        unsafe { prefill_tile::<1>(&rows, k, xb, bf16, &mut acc) };
+                    match (nt > 16, fetch) {
+                        (true, _) => unsafe { prefill_tile::<2, false>(&rows, k, xb, bf16, pf, &mut acc) },
+                        (false, true) => unsafe { prefill_tile::<1, true>(&rows, k, xb, bf16, pf, &mut acc) },
+                        (false, false) => unsafe { prefill_tile::<1, false>(&rows, k, xb, bf16, pf, &mut acc) },
                     }
                     for (j, a) in acc.iter().enumerate().take(nr) {
                         for (t, &v) in a.iter().enumerate().take(nt) {
@@ -358,21 +416,24 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
 
 /// [`PREFILL_ROWS`] rows x `16 V` tokens over all `k` columns: per column pair, each row's pair
 /// broadcast against the `V` token vectors of the transposed block `xb`. Writes `acc[r][t]` for
-/// `t < 16 V`, rounded to bf16 as [`spark_core::dtype::round_bf16`] when `bf16`.
+/// `t < 16 V`, rounded to bf16 as [`spark_core::dtype::round_bf16`] when `bf16`. `pf`'s lines are
+/// fetched into L2 over the `k / 2` column steps.
 ///
 /// # Safety
 /// AVX512F/BW/BF16; each `rows[r]` has `k` readable bf16; `xb` holds `k.div_ceil(2) * 32` u32.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[allow(clippy::needless_range_loop)]
-unsafe fn prefill_tile<const V: usize>(
+unsafe fn prefill_tile<const V: usize, const PF: bool>(
     rows: &[*const u16; PREFILL_ROWS],
     k: usize,
     xb: &[u32],
     bf16: bool,
+    pf: Prefetcher,
     acc: &mut [[f32; PREFILL_TOKENS]; PREFILL_ROWS],
 ) {
     let mut a = [[_mm512_setzero_ps(); V]; PREFILL_ROWS];
     let xp = xb.as_ptr();
+    let mut pf = pf.cursor();
     // One column pair `$j`: the token vectors, then each row's pair `$wpair(r)` broadcast.
     macro_rules! step {
         ($j:expr, $wpair:expr) => {{
@@ -390,6 +451,9 @@ unsafe fn prefill_tile<const V: usize>(
     }
     let full = k / 2;
     for j in 0..full {
+        if PF {
+            pf.advance();
+        }
         // Unaligned 32-bit reads of columns 2j and 2j + 1 (low half first, as the activations).
         step!(j, |r: usize| (rows[r].add(2 * j) as *const u32).read_unaligned());
     }

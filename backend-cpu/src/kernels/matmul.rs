@@ -3,13 +3,13 @@
 //!
 //! Work is split over weight-row chunks across the thread pool.
 //! - Decode and small batches (n < 16) run a GEMV that streams the weights once per 4 tokens
-//!   ([`avx2::gemv`], [`avx2::gemv_multi`]).
+//!   ([`avx2::gemv`], [`avx2::gemv_multi`]), except where the next item takes them.
 //! - Prefill (n >= 16) packs 16 weight rows at a time into an f32 panel `[k][16]` (converting
 //!   bf16/f16 once per panel) and runs a broadcast outer-product micro-kernel over 6 (AVX2) or
 //!   12 (AVX-512) tokens x 16 rows ([`avx2::panel_kernel`]) for every token.
 //! - On CPUs with AVX512_BF16, bf16 weights times bf16-valued activations of a few tokens run
 //!   `vdpbf16ps` dot products on the weights in place ([`super::avx512bf16`], see
-//!   [`bf16_dot_takes`]); from 16 tokens, a `vdpbf16ps` prefill on transposed activations
+//!   [`bf16_dot_takes`]; one token included); from 16 tokens, a `vdpbf16ps` prefill on transposed activations
 //!   ([`bf16_prefill_takes`]).
 //! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
 //!   least [`AMX_MIN_TOKENS`] tokens (one) run on AMX tiles ([`super::amx`]): from DRAM its
@@ -43,14 +43,14 @@ impl<'a> Mat<'a> {
 }
 
 /// Whether a bf16 matmul of `n` tokens with bf16 activations runs `vdpbf16ps` dot products
-/// ([`super::avx512bf16`], on CPUs with AVX512_BF16): 2-15 tokens at the `Avx512` level, where it
-/// beat the AVX2 multi-token GEMV by 25-35 % at 4 and 8 tokens. With AMX, never: the 16-row tile
-/// kernel ([`super::amx`]) beat it by 6 % at 2 tokens and 24 % at 4 (whole-model decode, 2
-/// threads, Sapphire Rapids, 3 alternations). One token stays on the AVX2 GEMV without AMX (no
-/// gain measured).
+/// ([`super::avx512bf16`], on CPUs with AVX512_BF16): 1-15 tokens at the `Avx512` level, where it
+/// beat the AVX2 multi-token GEMV by 25-35 % at 4 and 8 tokens, and at one token (a row at a
+/// time) the AVX2 GEMV's four rows by 10-15 % on one thread of a Zen 4 (docs/BENCHMARKS.md,
+/// session 44). With AMX, never: the 16-row tile kernel ([`super::amx`]) beat it by 6 % at 2
+/// tokens and 24 % at 4 (whole-model decode, 2 threads, Sapphire Rapids, 3 alternations).
 pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
     match simd {
-        Simd::Avx512 => (2..SMALL_BATCH).contains(&n),
+        Simd::Avx512 => (1..SMALL_BATCH).contains(&n),
         _ => false,
     }
 }

@@ -156,12 +156,11 @@ impl QSimd {
     }
 }
 
-/// Runs `$go!(R, T)` for a register tile of `$nr` rows and `$nt` tokens (1 to 4), turning the
-/// run-time tile shape into a kernel's const generics. `@rows4`: rows 4 or 1; otherwise 8 rows
-/// (one token only) as well.
+/// Runs `$go!(R, T)` for a register tile of `$nr` rows (4, or 1 for the last rows) and `$nt`
+/// tokens (1 to 4), turning the run-time tile shape into a kernel's const generics.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
 macro_rules! tile_shape {
-    (@rows4 $nr:expr, $nt:expr, $go:ident) => {
+    ($nr:expr, $nt:expr, $go:ident) => {
         match ($nr, $nt) {
             (4, 1) => $go!(4, 1),
             (4, 2) => $go!(4, 2),
@@ -171,13 +170,6 @@ macro_rules! tile_shape {
             (_, 2) => $go!(1, 2),
             (_, 3) => $go!(1, 3),
             (_, _) => $go!(1, 4),
-        }
-    };
-    ($nr:expr, $nt:expr, $go:ident) => {
-        if $nr == 8 {
-            $go!(8, 1)
-        } else {
-            $crate::kernels::tile_shape!(@rows4 $nr, $nt, $go)
         }
     };
 }

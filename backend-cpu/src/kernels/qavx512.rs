@@ -765,7 +765,7 @@ unsafe fn run_body<'a, F: Fmt, S: Scale, E: SideEl>(
                     }
                 }};
             }
-            super::tile_shape!(@rows4 nr, tt, go);
+            super::tile_shape!(nr, tt, go);
             t += tt;
         }
         r += nr;
