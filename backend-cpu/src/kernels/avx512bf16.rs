@@ -364,7 +364,8 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
             // while the tiles run over this one, a share per tile, so that copying it into
             // `held` reads from L2. At 16 tokens the copy from memory, not overlapped, had been a
             // third of the time (pp16 +15-30 %). With more tokens the copy is a smaller part, and
-            // the prefetching tile of 32 tokens, short of registers, ran slower (pp24 -25 %).
+            // the prefetching tile of 32 tokens ran slower (pp24 -25 %; its 24 accumulators and 12 row
+            // pointers leave no registers for the prefetch cursor).
             let fetch = n <= 16;
             let (next, next_rows) = (b1, (b1 + band).min(r1) - b1);
             let tiles = (b1 - b0).div_ceil(PREFILL_ROWS);
@@ -416,8 +417,8 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: PrefillWeights<'_>, m: u
 
 /// [`PREFILL_ROWS`] rows x `16 V` tokens over all `k` columns: per column pair, each row's pair
 /// broadcast against the `V` token vectors of the transposed block `xb`. Writes `acc[r][t]` for
-/// `t < 16 V`, rounded to bf16 as [`spark_core::dtype::round_bf16`] when `bf16`. `pf`'s lines are
-/// fetched into L2 over the `k / 2` column steps.
+/// `t < 16 V`, rounded to bf16 as [`spark_core::dtype::round_bf16`] when `bf16`. With `PF`, `pf`'s
+/// lines are fetched into L2 over the `k / 2` column steps (otherwise `pf` is not read).
 ///
 /// # Safety
 /// AVX512F/BW/BF16; each `rows[r]` has `k` readable bf16; `xb` holds `k.div_ceil(2) * 32` u32.
