@@ -270,12 +270,48 @@ unsafe fn tile<const T: usize, const ROW: bool>(o: &Ops, res: &mut [[f32; ROWS];
         let mut acc = [zero; T];
         // A run-time trip count (as in the other panels: a constant one gets unrolled, the
         // tokens run outermost and the weight vectors spill).
-        for s in c / 2..end / 2 {
-            // SAFETY: step s < kp / 2 of the panel; token t's values 2 s, 2 s + 1 < kp.
-            let w = unsafe { _mm256_loadu_si256(o.w.add(s * 16) as *const __m256i) };
-            for t in 0..T {
-                let q = unsafe { std::ptr::read_unaligned(o.q.add(t * o.kp + 2 * s) as *const i32) };
-                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, _mm256_set1_epi32(q)));
+        if T == 6 && (end - c) % 8 == 0 && end > c {
+            // Four steps per loop as [`super::panel_step_6`] writes them.
+            let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [zero; 6];
+            // SAFETY: the steps c / 2..end / 2 of the panel (32 bytes each from `w`) and each
+            // token's values c..end (`kp` i16 apart); AVX2 (this function's).
+            unsafe {
+                std::arch::asm!(
+                    "2:",
+                    super::panel_step_6!("vpmaddwd", "vpaddd", "0", "0"),
+                    super::panel_step_6!("vpmaddwd", "vpaddd", "32", "4"),
+                    super::panel_step_6!("vpmaddwd", "vpaddd", "64", "8"),
+                    super::panel_step_6!("vpmaddwd", "vpaddd", "96", "12"),
+                    "add {wp}, 128",
+                    "add {q0}, 16",
+                    "add {q3}, 16",
+                    "dec {n}",
+                    "jnz 2b",
+                    wp = inout(reg) o.w.add(c / 2 * 16) => _,
+                    q0 = inout(reg) o.q.add(c) => _,
+                    q3 = inout(reg) o.q.add(3 * o.kp + c) => _,
+                    kp = in(reg) 2 * o.kp,
+                    n = inout(reg) (end - c) / 8 => _,
+                    w = out(ymm_reg) _,
+                    b = out(ymm_reg) _,
+                    a0 = inout(ymm_reg) a0,
+                    a1 = inout(ymm_reg) a1,
+                    a2 = inout(ymm_reg) a2,
+                    a3 = inout(ymm_reg) a3,
+                    a4 = inout(ymm_reg) a4,
+                    a5 = inout(ymm_reg) a5,
+                    options(readonly, nostack),
+                );
+            }
+            acc.copy_from_slice(&[a0, a1, a2, a3, a4, a5][..T]);
+        } else {
+            for s in c / 2..end / 2 {
+                // SAFETY: step s < kp / 2 of the panel; token t's values 2 s, 2 s + 1 < kp.
+                let w = unsafe { _mm256_loadu_si256(o.w.add(s * 16) as *const __m256i) };
+                for t in 0..T {
+                    let q = unsafe { std::ptr::read_unaligned(o.q.add(t * o.kp + 2 * s) as *const i32) };
+                    acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, _mm256_set1_epi32(q)));
+                }
             }
         }
         // SAFETY: the group index is clamped to the panel's ng groups (columns past the last

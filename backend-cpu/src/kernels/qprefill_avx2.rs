@@ -269,11 +269,42 @@ unsafe fn tile<const T: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR]) {
             let mut acc = [zero; T];
             let wb = o.w.add(b * QBLOCK / 4 * STEP);
             let qb = o.q.add(b * QBLOCK);
-            for s in 0..QBLOCK / 4 {
-                let w = _mm256_loadu_si256(wb.add(s * STEP) as *const __m256i);
-                for t in 0..T {
-                    let q = std::ptr::read_unaligned(qb.add(t * o.kp + 4 * s) as *const i32);
-                    acc[t] = _mm256_add_epi16(acc[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(q)));
+            if T == 6 {
+                // The 8 steps of the block as [`super::panel_step_6`] writes them.
+                let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [zero; 6];
+                // SAFETY: as the loop below: 8 steps of 32 panel bytes from `wb`, each token's 32
+                // activation bytes from `qb + t kp`; AVX2 (this function's).
+                std::arch::asm!(
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "0", "0"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "32", "4"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "64", "8"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "96", "12"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "128", "16"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "160", "20"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "192", "24"),
+                    super::panel_step_6!("vpmaddubsw", "vpaddw", "224", "28"),
+                    wp = in(reg) wb,
+                    q0 = in(reg) qb,
+                    q3 = in(reg) qb.add(3 * o.kp),
+                    kp = in(reg) o.kp,
+                    w = out(ymm_reg) _,
+                    b = out(ymm_reg) _,
+                    a0 = inout(ymm_reg) a0,
+                    a1 = inout(ymm_reg) a1,
+                    a2 = inout(ymm_reg) a2,
+                    a3 = inout(ymm_reg) a3,
+                    a4 = inout(ymm_reg) a4,
+                    a5 = inout(ymm_reg) a5,
+                    options(pure, readonly, nostack, preserves_flags),
+                );
+                acc.copy_from_slice(&[a0, a1, a2, a3, a4, a5][..T]);
+            } else {
+                for s in 0..QBLOCK / 4 {
+                    let w = _mm256_loadu_si256(wb.add(s * STEP) as *const __m256i);
+                    for t in 0..T {
+                        let q = std::ptr::read_unaligned(qb.add(t * o.kp + 4 * s) as *const i32);
+                        acc[t] = _mm256_add_epi16(acc[t], _mm256_maddubs_epi16(w, _mm256_set1_epi32(q)));
+                    }
                 }
             }
             let kv = _mm256_loadu_si256(o.k.add(b * ROWS) as *const __m256i);
