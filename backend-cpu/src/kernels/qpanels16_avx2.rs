@@ -270,7 +270,7 @@ unsafe fn tile<const T: usize, const ROW: bool>(o: &Ops, res: &mut [[f32; ROWS];
         let mut acc = [zero; T];
         // A run-time trip count (as in the other panels: a constant one gets unrolled, the
         // tokens run outermost and the weight vectors spill).
-        if T == 6 && (end - c) % 8 == 0 && end > c {
+        if T == 6 && (end - c).is_multiple_of(8) && end > c {
             // Four steps per loop as [`super::panel_step_6`] writes them.
             let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [zero; 6];
             // SAFETY: the steps c / 2..end / 2 of the panel (32 bytes each from `w`) and each
