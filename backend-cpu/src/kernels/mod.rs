@@ -182,57 +182,25 @@ pub(crate) use tile_shape;
 /// `{q0} + 2 {kp}`, `{q3}`, `{q3} + {kp}`, `{q3} + 2 {kp}`) broadcast into `{b}`, multiplied by
 /// `$mul` (`vpmaddubsw` or `vpmaddwd`) and added into `{a<t>}` by `$add`.
 ///
-/// Written out because the compiled intrinsics ran these loops at 0.7-1.1 multiplies per cycle
-/// on a Zen 4 (weight vectors loaded ahead, accumulators spilled), against 1.5 for this order.
+/// Written out because the compiled intrinsics left work in these loops: for int4 LLVM loaded
+/// later steps' weight vectors ahead and spilled accumulators across the block, for int8 it kept
+/// one step per loop iteration. Kernel bench at the AVX2 level on a Zen 4 (`bench_kernels`, 512
+/// tokens, one thread, 2048 x 2048 and 2048 x 6656, GMAC/s): int4 with sub-scales 89.5 -> 99.4
+/// and 96.9 -> 109.1, int8 per row 65.1 -> 72.3 and 71.2 -> 77.6, Q8_0 55.5 -> 59.7 and 58.2 ->
+/// 64.6. The same treatment of int6's step pairs ([`qpanels_avx2`]) ran slower (82.6 -> 76.8)
+/// and was not kept.
 #[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
 macro_rules! panel_step_6 {
     ($mul:literal, $add:literal, $w:literal, $q:literal) => {
         concat!(
-            "vmovdqu {w}, ymmword ptr [{wp} + ",
-            $w,
-            "]\n",
-            "vpbroadcastd {b}, dword ptr [{q0} + ",
-            $q,
-            "]\n",
-            $mul,
-            " {b}, {w}, {b}\n",
-            $add,
-            " {a0}, {a0}, {b}\n",
-            "vpbroadcastd {b}, dword ptr [{q0} + {kp} + ",
-            $q,
-            "]\n",
-            $mul,
-            " {b}, {w}, {b}\n",
-            $add,
-            " {a1}, {a1}, {b}\n",
-            "vpbroadcastd {b}, dword ptr [{q0} + {kp}*2 + ",
-            $q,
-            "]\n",
-            $mul,
-            " {b}, {w}, {b}\n",
-            $add,
-            " {a2}, {a2}, {b}\n",
-            "vpbroadcastd {b}, dword ptr [{q3} + ",
-            $q,
-            "]\n",
-            $mul,
-            " {b}, {w}, {b}\n",
-            $add,
-            " {a3}, {a3}, {b}\n",
-            "vpbroadcastd {b}, dword ptr [{q3} + {kp} + ",
-            $q,
-            "]\n",
-            $mul,
-            " {b}, {w}, {b}\n",
-            $add,
-            " {a4}, {a4}, {b}\n",
-            "vpbroadcastd {b}, dword ptr [{q3} + {kp}*2 + ",
-            $q,
-            "]\n",
-            $mul,
-            " {b}, {w}, {b}\n",
-            $add,
-            " {a5}, {a5}, {b}\n",
+            "vmovdqu {w}, ymmword ptr [{wp} + ", $w, "]\n",
+            "vpbroadcastd {b}, dword ptr [{q0} + ", $q, "]\n", $mul, " {b}, {w}, {b}\n", $add, " {a0}, {a0}, {b}\n",
+            "vpbroadcastd {b}, dword ptr [{q0} + {kp} + ", $q, "]\n", $mul, " {b}, {w}, {b}\n", $add, " {a1}, {a1}, {b}\n",
+            "vpbroadcastd {b}, dword ptr [{q0} + {kp}*2 + ", $q, "]\n", $mul, " {b}, {w}, {b}\n", $add, " {a2}, {a2}, {b}\n",
+            "vpbroadcastd {b}, dword ptr [{q3} + ", $q, "]\n", $mul, " {b}, {w}, {b}\n", $add, " {a3}, {a3}, {b}\n",
+            "vpbroadcastd {b}, dword ptr [{q3} + {kp} + ", $q, "]\n", $mul, " {b}, {w}, {b}\n", $add, " {a4}, {a4}, {b}\n",
+            "vpbroadcastd {b}, dword ptr [{q3} + {kp}*2 + ", $q, "]\n", $mul, " {b}, {w}, {b}\n", $add, " {a5}, {a5}, {b}\n",
         )
     };
 }
