@@ -207,6 +207,47 @@ macro_rules! panel_step_6 {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use panel_step_6;
 
+/// The six accumulators (from zero) of `$n` (at least 1) rounds of [`panel_step_6`] at the
+/// `($w, $q)` offsets given, with `$mul` and `$add`; after each round the panel pointer `$wp`
+/// moves `$wstep` bytes and the token pointers `$q0` (token 0) and `$q3` (token 3) `$qstep`;
+/// tokens are `$kp` bytes apart. An expression of type `[__m256i; 6]`; needs `unsafe` and AVX2.
+#[cfg(target_arch = "x86_64")]
+macro_rules! panel_loop_6 {
+    (
+        $mul:literal, $add:literal, [$(($w:literal, $q:literal)),*],
+        wp: $wp:expr, q0: $q0:expr, q3: $q3:expr, kp: $kp:expr, n: $n:expr,
+        wstep: $wstep:literal, qstep: $qstep:literal
+    ) => {{
+        let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [_mm256_setzero_si256(); 6];
+        std::arch::asm!(
+            "2:",
+            $($crate::kernels::panel_step_6!($mul, $add, $w, $q),)*
+            concat!("add {wp}, ", $wstep),
+            concat!("add {q0}, ", $qstep),
+            concat!("add {q3}, ", $qstep),
+            "dec {n}",
+            "jnz 2b",
+            wp = inout(reg) $wp => _,
+            q0 = inout(reg) $q0 => _,
+            q3 = inout(reg) $q3 => _,
+            kp = in(reg) $kp,
+            n = inout(reg) $n => _,
+            w = out(ymm_reg) _,
+            b = out(ymm_reg) _,
+            a0 = inout(ymm_reg) a0,
+            a1 = inout(ymm_reg) a1,
+            a2 = inout(ymm_reg) a2,
+            a3 = inout(ymm_reg) a3,
+            a4 = inout(ymm_reg) a4,
+            a5 = inout(ymm_reg) a5,
+            options(pure, readonly, nostack),
+        );
+        [a0, a1, a2, a3, a4, a5]
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use panel_loop_6;
+
 /// Calls `$run::<$f, $s, E>($args)` with `E` the type of the weight's scales and biases: f16
 /// ([`qmatmul::H16`]) when `$half`, else `f32` (the integer kernels' dispatch).
 #[cfg(target_arch = "x86_64")]

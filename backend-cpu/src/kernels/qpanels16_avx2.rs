@@ -271,39 +271,17 @@ unsafe fn tile<const T: usize, const ROW: bool>(o: &Ops, res: &mut [[f32; ROWS];
         // A run-time trip count (as in the other panels: a constant one gets unrolled, the
         // tokens run outermost and the weight vectors spill).
         if T == 6 && (end - c).is_multiple_of(8) && end > c {
-            // Four steps per loop as [`super::panel_step_6`] writes them.
-            let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [zero; 6];
+            // Four steps per round as [`super::panel_step_6`] writes them.
             // SAFETY: the steps c / 2..end / 2 of the panel (32 bytes each from `w`) and each
             // token's values c..end (`kp` i16 apart); AVX2 (this function's).
-            unsafe {
-                std::arch::asm!(
-                    "2:",
-                    super::panel_step_6!("vpmaddwd", "vpaddd", "0", "0"),
-                    super::panel_step_6!("vpmaddwd", "vpaddd", "32", "4"),
-                    super::panel_step_6!("vpmaddwd", "vpaddd", "64", "8"),
-                    super::panel_step_6!("vpmaddwd", "vpaddd", "96", "12"),
-                    "add {wp}, 128",
-                    "add {q0}, 16",
-                    "add {q3}, 16",
-                    "dec {n}",
-                    "jnz 2b",
-                    wp = inout(reg) o.w.add(c / 2 * 16) => _,
-                    q0 = inout(reg) o.q.add(c) => _,
-                    q3 = inout(reg) o.q.add(3 * o.kp + c) => _,
-                    kp = in(reg) 2 * o.kp,
-                    n = inout(reg) (end - c) / 8 => _,
-                    w = out(ymm_reg) _,
-                    b = out(ymm_reg) _,
-                    a0 = inout(ymm_reg) a0,
-                    a1 = inout(ymm_reg) a1,
-                    a2 = inout(ymm_reg) a2,
-                    a3 = inout(ymm_reg) a3,
-                    a4 = inout(ymm_reg) a4,
-                    a5 = inout(ymm_reg) a5,
-                    options(readonly, nostack),
-                );
-            }
-            acc.copy_from_slice(&[a0, a1, a2, a3, a4, a5][..T]);
+            let a = unsafe {
+                super::panel_loop_6!(
+                    "vpmaddwd", "vpaddd", [("0", "0"), ("32", "4"), ("64", "8"), ("96", "12")],
+                    wp: o.w.add(c / 2 * 16), q0: o.q.add(c), q3: o.q.add(3 * o.kp + c), kp: 2 * o.kp,
+                    n: (end - c) / 8, wstep: "128", qstep: "16"
+                )
+            };
+            acc.copy_from_slice(&a[..T]);
         } else {
             for s in c / 2..end / 2 {
                 // SAFETY: step s < kp / 2 of the panel; token t's values 2 s, 2 s + 1 < kp.

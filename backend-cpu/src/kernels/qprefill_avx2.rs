@@ -270,34 +270,15 @@ unsafe fn tile<const T: usize>(o: &Ops, res: &mut [[f32; ROWS]; MR]) {
             let wb = o.w.add(b * QBLOCK / 4 * STEP);
             let qb = o.q.add(b * QBLOCK);
             if T == 6 {
-                // The 8 steps of the block as [`super::panel_step_6`] writes them.
-                let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [zero; 6];
+                // The 8 steps of the block as [`super::panel_step_6`] writes them, one round.
                 // SAFETY: as the loop below: 8 steps of 32 panel bytes from `wb`, each token's 32
                 // activation bytes from `qb + t kp`; AVX2 (this function's).
-                std::arch::asm!(
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "0", "0"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "32", "4"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "64", "8"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "96", "12"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "128", "16"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "160", "20"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "192", "24"),
-                    super::panel_step_6!("vpmaddubsw", "vpaddw", "224", "28"),
-                    wp = in(reg) wb,
-                    q0 = in(reg) qb,
-                    q3 = in(reg) qb.add(3 * o.kp),
-                    kp = in(reg) o.kp,
-                    w = out(ymm_reg) _,
-                    b = out(ymm_reg) _,
-                    a0 = inout(ymm_reg) a0,
-                    a1 = inout(ymm_reg) a1,
-                    a2 = inout(ymm_reg) a2,
-                    a3 = inout(ymm_reg) a3,
-                    a4 = inout(ymm_reg) a4,
-                    a5 = inout(ymm_reg) a5,
-                    options(pure, readonly, nostack, preserves_flags),
+                let a = super::panel_loop_6!(
+                    "vpmaddubsw", "vpaddw",
+                    [("0", "0"), ("32", "4"), ("64", "8"), ("96", "12"), ("128", "16"), ("160", "20"), ("192", "24"), ("224", "28")],
+                    wp: wb, q0: qb, q3: qb.add(3 * o.kp), kp: o.kp, n: 1usize, wstep: "256", qstep: "32"
                 );
-                acc.copy_from_slice(&[a0, a1, a2, a3, a4, a5][..T]);
+                acc.copy_from_slice(&a[..T]);
             } else {
                 for s in 0..QBLOCK / 4 {
                     let w = _mm256_loadu_si256(wb.add(s * STEP) as *const __m256i);
