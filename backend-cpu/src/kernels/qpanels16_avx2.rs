@@ -268,8 +268,6 @@ unsafe fn tile<const T: usize, const ROW: bool>(o: &Ops, res: &mut [[f32; ROWS];
     while c < o.kp {
         let end = (c + o.flush).min(o.kp);
         let mut acc = [zero; T];
-        // A run-time trip count (as in the other panels: a constant one gets unrolled, the
-        // tokens run outermost and the weight vectors spill).
         if T == 6 && (end - c).is_multiple_of(8) && end > c {
             // Four steps per round as [`super::panel_step_6`] writes them.
             // SAFETY: the steps c / 2..end / 2 of the panel (32 bytes each from `w`) and each
@@ -283,6 +281,8 @@ unsafe fn tile<const T: usize, const ROW: bool>(o: &Ops, res: &mut [[f32; ROWS];
             };
             acc.copy_from_slice(&a[..T]);
         } else {
+            // A run-time trip count (as in the other panels: a constant one gets unrolled, the
+            // tokens run outermost and the weight vectors spill).
             for s in c / 2..end / 2 {
                 // SAFETY: step s < kp / 2 of the panel; token t's values 2 s, 2 s + 1 < kp.
                 let w = unsafe { _mm256_loadu_si256(o.w.add(s * 16) as *const __m256i) };
