@@ -119,6 +119,57 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
     }
 }
 
+/// The AVX-512 f32 FMA prefill (the prefill of CPUs whose `vdpbf16ps` is slow) called directly,
+/// so that it is checked on every AVX-512 CPU whichever path `matmul` picks there: f32, bf16 and
+/// f16 weights, f32 output within 1e-4 of the f64 reference and bf16 output within one bf16 ulp;
+/// token tails of its 32-token blocks (1-16 and 17-31 left), row tails of its 12-row tiles,
+/// columns that are not a multiple of 16 (the transpose's scalar tail) and more than its
+/// 256-column chunks.
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn fma512_prefill_matches_reference_for_every_weight_dtype() {
+    use spark_backend_cpu::kernels::prefill_fma512;
+    if !is_x86_feature_detected!("avx512f") {
+        eprintln!("skipped: this CPU has no AVX-512F");
+        return;
+    }
+    let mut seed = 23u64;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    for &(n, k, m) in
+        &[(16, 32, 12), (17, 71, 13), (31, 3, 25), (33, 257, 37), (47, 530, 30), (100, 300, 130), (64, 1, 5)]
+    {
+        let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
+        let x: Vec<f32> = (0..n * k).map(|_| bfv(lcg(&mut seed))).collect();
+        let w32: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
+        let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let hf: Vec<u16> = w32.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+        let cases: [Case<'_>; 3] = [
+            ("f32", Mat::F32(&w32), Box::new(|i| w32[i] as f64)),
+            ("bf16", Mat::BF16(&bf), Box::new(|i| half::bf16::from_bits(bf[i]).to_f64())),
+            ("f16", Mat::F16(&hf), Box::new(|i| half::f16::from_bits(hf[i]).to_f64())),
+        ];
+        for (name, w, wv) in &cases {
+            let want: Vec<f64> =
+                (0..n * m).map(|i| (0..k).map(|j| x[(i / m) * k + j] as f64 * wv((i % m) * k + j)).sum()).collect();
+            for round in [DType::F32, DType::BF16] {
+                let mut out = vec![f32::NAN; n * m];
+                // SAFETY: AVX-512F is present (checked above).
+                pool.install(|| unsafe { prefill_fma512::prefill(&x, n, k, *w, m, &mut out, round) });
+                for (i, (&got, &exact)) in out.iter().zip(&want).enumerate() {
+                    let (reference, tol) = match round {
+                        DType::BF16 => (bfv(exact as f32) as f64, (exact.abs() / 128.0).max(1e-3)),
+                        _ => (exact, 1e-4),
+                    };
+                    assert!(
+                        (got as f64 - reference).abs() <= tol,
+                        "{name} {round:?} n={n} k={k} m={m}: out[{i}] = {got}, reference {exact}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `Row::to_f32` of bf16 rows (AVX-512 where present, with a scalar tail) is the exact bit shift
 /// for every length and bit pattern: NaN payloads, infinities, denormals, signed zeros.
 #[test]
@@ -143,7 +194,7 @@ fn bf16_rows_convert_exactly() {
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn tiles_round_outputs_to_nearest_even_bf16() {
-    use spark_backend_cpu::kernels::{amx, avx512bf16};
+    use spark_backend_cpu::kernels::{amx, avx512bf16, prefill_fma512};
     let bf = |v: f32| half::bf16::from_f32(v).to_bits();
     let k = 32;
     // 1 + a: a = 0.75, 0.5 and 0.25 ulp (ulp of 1 in bf16: 2^-7), and 1.5 ulp + 0.5 ulp (a tie
@@ -162,8 +213,12 @@ fn tiles_round_outputs_to_nearest_even_bf16() {
     w[7 * k + 1] = bf(f32::NAN);
     want[7] = f32::NAN;
     let mut ran = false;
-    for (path, tokens) in [("amx", [1usize, 17]), ("avx512bf16 prefill", [17, 40])] {
-        let present = if path == "amx" { amx::available() } else { avx512bf16::available() };
+    for (path, tokens) in [("amx", [1usize, 17]), ("avx512bf16 prefill", [17, 40]), ("fma512 prefill", [17, 40])] {
+        let present = match path {
+            "amx" => amx::available(),
+            "avx512bf16 prefill" => avx512bf16::available(),
+            _ => is_x86_feature_detected!("avx512f"),
+        };
         if !present {
             eprintln!("skipped {path}: this CPU lacks it");
             continue;
@@ -178,10 +233,12 @@ fn tiles_round_outputs_to_nearest_even_bf16() {
             let mut out = vec![0.0f32; n * m];
             // SAFETY: the path's available() returned true; k is a multiple of 32.
             unsafe {
-                if path == "amx" {
-                    amx::matmul(&x, n, k, amx::Weights::Bf16(&w), m, &mut out, DType::BF16)
-                } else {
-                    avx512bf16::prefill(&x, n, k, avx512bf16::PrefillWeights::Bf16(&w), m, &mut out, DType::BF16)
+                match path {
+                    "amx" => amx::matmul(&x, n, k, amx::Weights::Bf16(&w), m, &mut out, DType::BF16),
+                    "avx512bf16 prefill" => {
+                        avx512bf16::prefill(&x, n, k, avx512bf16::PrefillWeights::Bf16(&w), m, &mut out, DType::BF16)
+                    }
+                    _ => prefill_fma512::prefill(&x, n, k, Mat::BF16(&w), m, &mut out, DType::BF16),
                 }
             };
             for t in 0..n {

@@ -11,6 +11,10 @@
 //!   `vdpbf16ps` dot products on the weights in place ([`super::avx512bf16`], see
 //!   [`bf16_dot_takes`]; one token included); from 16 tokens, a `vdpbf16ps` prefill on transposed activations
 //!   ([`bf16_prefill_takes`]).
+//! - At the `Avx512` level on Intel cores, whose `vdpbf16ps` issues at a quarter of the FMA
+//!   rate, prefill (n >= 16) of every weight dtype and rounding runs an f32 FMA kernel on
+//!   transposed activations and L2-sized bands of weights instead of both of the above
+//!   ([`super::prefill_fma512`], [`fma512_prefill_takes`]).
 //! - With AMX ([`Simd::Amx`]), bf16 weights times bf16-valued activations (`round` = bf16) of at
 //!   least [`AMX_MIN_TOKENS`] tokens (one) run on AMX tiles ([`super::amx`]): from DRAM its
 //!   16-row x 16-token kernel streams weights faster than the GEMVs at any batch size.
@@ -60,6 +64,44 @@ pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
 /// tiles take it.
 pub fn bf16_prefill_takes(simd: Simd, n: usize) -> bool {
     simd == Simd::Avx512 && n >= SMALL_BATCH
+}
+/// Whether a bf16 matmul of `n` tokens runs the f32 FMA prefill ([`super::prefill_fma512`]): from
+/// 16 tokens at the `Avx512` level on CPUs whose `vdpbf16ps` issues at a quarter of the FMA rate
+/// ([`vdpbf16ps_is_slow`]), whatever the output rounding. There it beat the `vdpbf16ps` prefill
+/// and the f32 panels ([`avx2::panel_kernel`]), both at about 40 GMAC/s on one thread of an
+/// Emerald Rapids core (docs/BENCHMARKS.md, session 47).
+pub fn fma512_prefill_takes(simd: Simd, n: usize) -> bool {
+    simd == Simd::Avx512 && n >= SMALL_BATCH && vdpbf16ps_is_slow()
+}
+/// Whether this CPU's `vdpbf16ps` is slower, per multiply-add, than f32 FMAs: Intel cores (the
+/// `GenuineIntel` vendor string). Measured on an Emerald Rapids core: `vdpbf16ps zmm` 1.31-1.35
+/// G/s against `vfmadd231ps zmm` 5.3-5.4 G/s, 16 multiply-adds per cycle against 32; with AMX
+/// (Sapphire Rapids and later, where exposed) the tiles take bf16 matmuls instead. AMD's Zen 4
+/// and Zen 5 issue it as fast as an FMA. `SPARK_BF16_DOT=vdpbf16ps` or `=fma` overrides the
+/// vendor rule (to compare the two paths on one machine).
+pub fn vdpbf16ps_is_slow() -> bool {
+    static SLOW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SLOW.get_or_init(|| match std::env::var("SPARK_BF16_DOT").as_deref() {
+        Ok("fma") => true,
+        Ok("vdpbf16ps") => false,
+        _ => cpu_vendor_is_intel(),
+    })
+}
+/// Whether CPUID leaf 0 names the vendor `GenuineIntel`.
+fn cpu_vendor_is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 processor.
+        #[allow(unused_unsafe)]
+        let r = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        &vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 /// Whether an int8/int4 matmul of `n` tokens with bf16 activations runs the `vdpbf16ps` prefill
 /// on weights dequantized to bf16 ([`super::avx512bf16::prefill`]) at the `Avx512` level (CPUs
@@ -160,6 +202,12 @@ pub fn quant_panels(
 pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: &mut [f32], round: DType) {
     assert_eq!(x.len(), n * k, "matmul: x has the wrong size");
     assert_eq!(out.len(), n * m, "matmul: out has the wrong size");
+    #[cfg(target_arch = "x86_64")]
+    if fma512_prefill_takes(simd, n) {
+        // SAFETY: the Avx512 level is only detected with AVX-512F present.
+        unsafe { super::prefill_fma512::prefill(x, n, k, w, m, out, round) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if let Mat::BF16(d) = w {
         if bf16_dot_takes(simd, n) && round == DType::BF16 && super::avx512bf16::available() {

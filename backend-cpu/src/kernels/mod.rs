@@ -3,7 +3,10 @@
 //! [`Simd::detect`] picks AMX-BF16, AVX-512F or AVX2+FMA(+F16C) when the processor has them, else
 //! the portable path.
 //! `SPARK_CPU_SIMD=portable`, `=avx2` or `=avx512` caps the level (tests compare the paths).
-//! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); AVX512_BF16 without
+//! AVX-512F changes the prefill micro-kernel and the GEGLU loop ([`gelu`]); on Intel cores at the
+//! `Avx512` level (no AMX), where `vdpbf16ps` issues at a quarter of the FMA rate, every float
+//! prefill of 16 tokens and more runs an f32 FMA kernel on transposed activations
+//! ([`prefill_fma512`], [`matmul::vdpbf16ps_is_slow`]); AVX512_BF16 without
 //! AMX (Zen 4/5) the matmuls with bf16 activations of 2-15 tokens (bf16 weights) and of prefill
 //! (bf16 weights from 16 tokens, int4 from 32, int8 from 64, the quantized ones dequantized to
 //! bf16) ([`avx512bf16`], `vdpbf16ps`), and prefill attention (the AMX path's layouts, products
@@ -32,6 +35,7 @@ pub mod avx512bf16;
 pub mod gelu;
 pub mod matmul;
 pub mod portable;
+pub mod prefill_fma512;
 pub mod qavx2;
 pub mod qavx512;
 pub mod qdecode16;
