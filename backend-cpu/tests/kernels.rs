@@ -284,6 +284,8 @@ fn bench_bf16_decode_stream() {
         .collect();
     let x: Vec<f32> = (0..k).map(|_| half::bf16::from_f32(lcg(&mut seed)).to_f32()).collect();
     let simd = Simd::detect();
+    // QBENCH_ROUND=f32 runs the f32-output path (the float GEMV) instead of the bf16 one.
+    let round = if std::env::var("QBENCH_ROUND").is_ok_and(|v| v == "f32") { DType::F32 } else { DType::BF16 };
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
     let mut out = vec![0.0f32; m];
     let mut best = f64::INFINITY;
@@ -292,13 +294,13 @@ fn bench_bf16_decode_stream() {
             let t = std::time::Instant::now();
             for w in &mats {
                 let w: &[u16] = bytemuck::cast_slice(&w[..]);
-                matmul(simd, &x, 1, k, Mat::BF16(w), m, &mut out, DType::BF16);
+                matmul(simd, &x, 1, k, Mat::BF16(w), m, &mut out, round);
             }
             best = best.min(t.elapsed().as_secs_f64());
         }
     });
     eprintln!(
-        "{simd:?}, {threads} threads, {copies} x {m}x{k} bf16: {:.1} GB/s, {:.1} us per matrix",
+        "{simd:?}, {round:?} output, {threads} threads, {copies} x {m}x{k} bf16: {:.1} GB/s, {:.1} us per matrix",
         (bytes * copies) as f64 / best * 1e-9,
         best / copies as f64 * 1e6
     );

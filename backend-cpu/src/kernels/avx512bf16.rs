@@ -107,8 +107,14 @@ unsafe fn rows(
     round: DType,
 ) {
     if n == 1 {
+        let ahead = decode_prefetch_ahead();
         for r in r0..r1 {
-            out.put(r, round.round(row_dot(xb.as_ptr(), w.as_ptr().add(r * k), k)));
+            let wr = w.as_ptr().add(r * k);
+            let dot = match ahead {
+                Some(d) => row_dot::<true>(xb.as_ptr(), wr, k, d),
+                None => row_dot::<false>(xb.as_ptr(), wr, k, 0),
+            };
+            out.put(r, round.round(dot));
         }
         return;
     }
@@ -147,24 +153,52 @@ unsafe fn rows(
     }
 }
 
+/// How far ahead in its rows the one-token GEMV prefetches (bytes), if at all: 4 KiB on Intel
+/// cores. There the hardware prefetcher alone left a thread's stream short: on an Emerald Rapids
+/// VM, whole-model bf16 tg48 (2 threads) went from a median 4.92 to 5.84 tok/s over three
+/// alternations, faster in each (a first version that prefetched a row's lines at its start
+/// gained as much in seven of seven; 8 KiB ahead no more than 4; docs/BENCHMARKS.md, session
+/// 47). On Zen 4, session 44 measured the plain stream as the fastest, so AMD cores keep it.
+/// `SPARK_DECODE_PREFETCH=BYTES` (0: none) overrides the vendor rule.
+fn decode_prefetch_ahead() -> Option<usize> {
+    static A: OnceLock<Option<usize>> = OnceLock::new();
+    *A.get_or_init(|| {
+        let bytes = match std::env::var("SPARK_DECODE_PREFETCH").ok().and_then(|v| v.parse().ok()) {
+            Some(b) => b,
+            None if super::matmul::cpu_vendor_is_intel() => 4096,
+            None => 0,
+        };
+        (bytes > 0).then_some(bytes)
+    })
+}
+
 /// One token's dot product with one row: `sum_j x[j] * w[j]` over `k` bf16 (`x` zero padded to
-/// a multiple of [`KS`]), two accumulators of 64 bytes.
+/// a multiple of [`KS`]), two accumulators of 64 bytes. With `PF`, each 128-byte step also
+/// prefetches the two lines `ahead` bytes past it (past the last row they are lines of other
+/// rows or of nothing: a prefetch never faults).
 ///
 /// A decode GEMV reads the rows one after the other, so each thread streams one run of
-/// addresses and the hardware prefetcher follows it across page boundaries without help. Four or
-/// eight rows at once with software prefetch (this file's tiles, the AVX2 GEMV) streamed 10-15 %
-/// slower on one thread of a Zen 4 from 4 KiB pages (docs/BENCHMARKS.md, session 44).
+/// addresses and the hardware prefetcher follows it across page boundaries. Four or eight rows
+/// at once with software prefetch (this file's tiles, the AVX2 GEMV) streamed 10-15 % slower on
+/// one thread of a Zen 4 from 4 KiB pages (docs/BENCHMARKS.md, session 44); Intel cores gain
+/// from the prefetch on the one stream ([`decode_prefetch_ahead`]).
 ///
 /// # Safety
 /// AVX512F/BW/BF16; `w` points at `k` readable bf16, `x` at `k.div_ceil(KS) * KS`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-unsafe fn row_dot(x: *const u16, w: *const u16, k: usize) -> f32 {
+unsafe fn row_dot<const PF: bool>(x: *const u16, w: *const u16, k: usize, ahead: usize) -> f32 {
     let load = |p: *const u16| -> __m512bh { std::mem::transmute(_mm512_loadu_si512(p as *const _)) };
     let mut a0 = _mm512_setzero_ps();
     let mut a1 = _mm512_setzero_ps();
     let mut i = 0;
     while i + 2 * KS <= k {
+        if PF {
+            // A prefetch is a hint: it does not fault, whatever the address.
+            let p = (w.add(i) as *const i8).wrapping_add(ahead);
+            _mm_prefetch::<_MM_HINT_T0>(p);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+        }
         a0 = _mm512_dpbf16_ps(a0, load(w.add(i)), load(x.add(i)));
         a1 = _mm512_dpbf16_ps(a1, load(w.add(i + KS)), load(x.add(i + KS)));
         i += 2 * KS;

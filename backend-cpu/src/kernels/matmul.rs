@@ -88,7 +88,7 @@ pub fn vdpbf16ps_is_slow() -> bool {
     })
 }
 /// Whether CPUID leaf 0 names the vendor `GenuineIntel`.
-fn cpu_vendor_is_intel() -> bool {
+pub(crate) fn cpu_vendor_is_intel() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: CPUID leaf 0 exists on every x86-64 processor.
