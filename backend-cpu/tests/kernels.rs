@@ -119,16 +119,17 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
     }
 }
 
-/// The AVX-512 f32 FMA prefill (the prefill of CPUs whose `vdpbf16ps` is slow) called directly,
-/// so that it is checked on every AVX-512 CPU whichever path `matmul` picks there: f32, bf16 and
-/// f16 weights, f32 output within 1e-4 of the f64 reference and bf16 output within one bf16 ulp;
+/// The AVX-512 f32 FMA prefill (Intel cores' prefill) and the `vdpbf16ps` prefill (AMD's, bf16
+/// weights, where AVX512_BF16 is present) called directly, so that both are checked on every
+/// AVX-512 CPU whichever of them `matmul` picks there: f32, bf16 and f16 weights, f32 output
+/// within 1e-4 of the f64 reference and bf16 output within one bf16 ulp;
 /// token tails of its 32-token blocks (1-16 and 17-31 left), row tails of its 12-row tiles,
 /// columns that are not a multiple of 16 (the transpose's scalar tail) and more than its
 /// 256-column chunks.
 #[test]
 #[cfg(target_arch = "x86_64")]
-fn fma512_prefill_matches_reference_for_every_weight_dtype() {
-    use spark_backend_cpu::kernels::prefill_fma512;
+fn avx512_prefills_match_reference_for_every_weight_dtype() {
+    use spark_backend_cpu::kernels::{avx512bf16, prefill_fma512};
     if !is_x86_feature_detected!("avx512f") {
         eprintln!("skipped: this CPU has no AVX-512F");
         return;
@@ -151,10 +152,19 @@ fn fma512_prefill_matches_reference_for_every_weight_dtype() {
         for (name, w, wv) in &cases {
             let want: Vec<f64> =
                 (0..n * m).map(|i| (0..k).map(|j| x[(i / m) * k + j] as f64 * wv((i % m) * k + j)).sum()).collect();
-            for round in [DType::F32, DType::BF16] {
+            for (path, round) in [("fma", DType::F32), ("fma", DType::BF16), ("vdpbf16ps", DType::BF16)] {
+                let bf16_weights = matches!(w, Mat::BF16(_));
+                if path == "vdpbf16ps" && !(bf16_weights && avx512bf16::available()) {
+                    continue;
+                }
                 let mut out = vec![f32::NAN; n * m];
-                // SAFETY: AVX-512F is present (checked above).
-                pool.install(|| unsafe { prefill_fma512::prefill(&x, n, k, *w, m, &mut out, round) });
+                // SAFETY: AVX-512F is present (checked above), AVX512_BF16 for the vdpbf16ps path.
+                pool.install(|| unsafe {
+                    match path {
+                        "fma" => prefill_fma512::prefill(&x, n, k, *w, m, &mut out, round),
+                        _ => avx512bf16::prefill(&x, n, k, avx512bf16::PrefillWeights::Bf16(&bf), m, &mut out, round),
+                    }
+                });
                 for (i, (&got, &exact)) in out.iter().zip(&want).enumerate() {
                     let (reference, tol) = match round {
                         DType::BF16 => (bfv(exact as f32) as f64, (exact.abs() / 128.0).max(1e-3)),
@@ -162,7 +172,7 @@ fn fma512_prefill_matches_reference_for_every_weight_dtype() {
                     };
                     assert!(
                         (got as f64 - reference).abs() <= tol,
-                        "{name} {round:?} n={n} k={k} m={m}: out[{i}] = {got}, reference {exact}"
+                        "{path} {name} {round:?} n={n} k={k} m={m}: out[{i}] = {got}, reference {exact}"
                     );
                 }
             }

@@ -65,11 +65,12 @@ pub fn bf16_dot_takes(simd: Simd, n: usize) -> bool {
 pub fn bf16_prefill_takes(simd: Simd, n: usize) -> bool {
     simd == Simd::Avx512 && n >= SMALL_BATCH
 }
-/// Whether a bf16 matmul of `n` tokens runs the f32 FMA prefill ([`super::prefill_fma512`]): from
-/// 16 tokens at the `Avx512` level on CPUs whose `vdpbf16ps` issues at a quarter of the FMA rate
-/// ([`vdpbf16ps_is_slow`]), whatever the output rounding. There it beat the `vdpbf16ps` prefill
-/// and the f32 panels ([`avx2::panel_kernel`]), both at about 40 GMAC/s on one thread of an
-/// Emerald Rapids core (docs/BENCHMARKS.md, session 47).
+/// Whether a float matmul (bf16, f16 or f32 weights, any output rounding) of `n` tokens runs the
+/// f32 FMA prefill ([`super::prefill_fma512`]): from 16 tokens at the `Avx512` level on Intel
+/// cores ([`vdpbf16ps_is_slow`]; also those without AVX512_BF16, where it replaces the f32
+/// panels). On one thread of an Emerald Rapids core it ran at 62-70 GMAC/s where the
+/// `vdpbf16ps` prefill ran at 40-41 and the f32 panels ([`avx2::panel_kernel`]) at 38-55
+/// (docs/BENCHMARKS.md, session 47).
 pub fn fma512_prefill_takes(simd: Simd, n: usize) -> bool {
     simd == Simd::Avx512 && n >= SMALL_BATCH && vdpbf16ps_is_slow()
 }

@@ -16,7 +16,7 @@
 //!   whose rows are 64 bytes longer than `k` (rows 8 KiB apart, k = 2048, would put the tile's
 //!   12 broadcast streams in one L1 set), and every token block sweeps a band before the next,
 //!   so the weights come from memory once per call and the activations once per band;
-//! - within a band, columns go in chunks of [`KC`] (256): a block's chunk of activations (32
+//! - within a band, columns go in chunks of `KC` (256): a block's chunk of activations (32
 //!   KiB) stays in L1 while every tile of the band runs over it (+20-30 % at k = 6656);
 //! - a micro-kernel of [`ROWS`] (12) rows x 32 tokens broadcasts each row's weight of a column
 //!   against the two token vectors: 24 accumulators, 14 loads per 24 FMAs, no spills. It reaches
