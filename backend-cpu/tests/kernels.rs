@@ -13,6 +13,36 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
+/// One random weight matrix in the three float dtypes (bf16 and f16 rounded from the f32).
+struct Weights {
+    w32: Vec<f32>,
+    bf: Vec<u16>,
+    hf: Vec<u16>,
+}
+
+impl Weights {
+    fn random(len: usize, seed: &mut u64) -> Self {
+        let w32: Vec<f32> = (0..len).map(|_| lcg(seed)).collect();
+        let bf = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let hf = w32.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+        Weights { w32, bf, hf }
+    }
+
+    fn cases(&self) -> [Case<'_>; 3] {
+        let (w32, bf, hf) = (&self.w32, &self.bf, &self.hf);
+        [
+            ("f32", Mat::F32(w32), Box::new(|i| w32[i] as f64)),
+            ("bf16", Mat::BF16(bf), Box::new(|i| half::bf16::from_bits(bf[i]).to_f64())),
+            ("f16", Mat::F16(hf), Box::new(|i| half::f16::from_bits(hf[i]).to_f64())),
+        ]
+    }
+}
+
+/// `x W^T` in f64 for `x` `[n, k]` and weights `[m, k]` read through `wv`.
+fn reference(x: &[f32], n: usize, k: usize, m: usize, wv: &dyn Fn(usize) -> f64) -> Vec<f64> {
+    (0..n * m).map(|i| (0..k).map(|j| x[(i / m) * k + j] as f64 * wv((i % m) * k + j)).sum()).collect()
+}
+
 #[test]
 fn matmul_matches_scalar_reference() {
     let mut seed = 7u64;
@@ -21,17 +51,9 @@ fn matmul_matches_scalar_reference() {
         &[(1, 37, 5), (2, 130, 17), (3, 64, 33), (4, 8, 16), (5, 129, 31), (13, 77, 48), (97, 256, 19), (200, 40, 70)]
     {
         let x: Vec<f32> = (0..n * k).map(|_| lcg(&mut seed)).collect();
-        let w32: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-        let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        let hf: Vec<u16> = w32.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-        let cases: [Case<'_>; 3] = [
-            ("f32", Mat::F32(&w32), Box::new(|i| w32[i] as f64)),
-            ("bf16", Mat::BF16(&bf), Box::new(|i| half::bf16::from_bits(bf[i]).to_f64())),
-            ("f16", Mat::F16(&hf), Box::new(|i| half::f16::from_bits(hf[i]).to_f64())),
-        ];
-        for (name, w, wv) in &cases {
-            let want: Vec<f64> =
-                (0..n * m).map(|i| (0..k).map(|j| x[(i / m) * k + j] as f64 * wv((i % m) * k + j)).sum()).collect();
+        let ws = Weights::random(m * k, &mut seed);
+        for (name, w, wv) in &ws.cases() {
+            let want = reference(&x, n, k, m, wv);
             for simd in [Simd::Portable, Simd::Avx2, Simd::Avx512] {
                 if simd > Simd::detect() {
                     eprintln!("skipped: this CPU has no {simd:?}");
@@ -141,17 +163,9 @@ fn avx512_prefills_match_reference_for_every_weight_dtype() {
     {
         let bfv = |v: f32| half::bf16::from_f32(v).to_f32();
         let x: Vec<f32> = (0..n * k).map(|_| bfv(lcg(&mut seed))).collect();
-        let w32: Vec<f32> = (0..m * k).map(|_| lcg(&mut seed)).collect();
-        let bf: Vec<u16> = w32.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        let hf: Vec<u16> = w32.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-        let cases: [Case<'_>; 3] = [
-            ("f32", Mat::F32(&w32), Box::new(|i| w32[i] as f64)),
-            ("bf16", Mat::BF16(&bf), Box::new(|i| half::bf16::from_bits(bf[i]).to_f64())),
-            ("f16", Mat::F16(&hf), Box::new(|i| half::f16::from_bits(hf[i]).to_f64())),
-        ];
-        for (name, w, wv) in &cases {
-            let want: Vec<f64> =
-                (0..n * m).map(|i| (0..k).map(|j| x[(i / m) * k + j] as f64 * wv((i % m) * k + j)).sum()).collect();
+        let ws = Weights::random(m * k, &mut seed);
+        for (name, w, wv) in &ws.cases() {
+            let want = reference(&x, n, k, m, wv);
             for (path, round) in [("fma", DType::F32), ("fma", DType::BF16), ("vdpbf16ps", DType::BF16)] {
                 let bf16_weights = matches!(w, Mat::BF16(_));
                 if path == "vdpbf16ps" && !(bf16_weights && avx512bf16::available()) {
@@ -162,7 +176,9 @@ fn avx512_prefills_match_reference_for_every_weight_dtype() {
                 pool.install(|| unsafe {
                     match path {
                         "fma" => prefill_fma512::prefill(&x, n, k, *w, m, &mut out, round),
-                        _ => avx512bf16::prefill(&x, n, k, avx512bf16::PrefillWeights::Bf16(&bf), m, &mut out, round),
+                        _ => {
+                            avx512bf16::prefill(&x, n, k, avx512bf16::PrefillWeights::Bf16(&ws.bf), m, &mut out, round)
+                        }
                     }
                 });
                 for (i, (&got, &exact)) in out.iter().zip(&want).enumerate() {
