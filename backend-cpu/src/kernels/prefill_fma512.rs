@@ -199,8 +199,8 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: 
     (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let (r0, r1) = (c * chunk, (c * chunk + chunk).min(m));
         let rows_held = band.min(r1 - r0);
-        // The band buffer is kept per thread between calls (three quarters of L2 at most;
-        // allocating it zeroed per task cost page faults on every call).
+        // The band buffer is kept per thread between calls (three quarters of L2 at most), so
+        // that it is not allocated and faulted in again for every task.
         let mut held = HELD.with(|h| h.take());
         held.resize(rows_held * ks, 0.0);
         // One token block's outputs for the band, `[token][band row]`, written out together.
