@@ -213,6 +213,27 @@ fn bf16_rows_convert_exactly() {
     }
 }
 
+/// `Row::to_f32` of f16 rows (`vcvtph2ps` 16 at a time where AVX-512 is present, with a scalar
+/// tail) gives the exact value of every f16 bit pattern (NaNs stay NaN), at lengths around 16.
+#[test]
+fn f16_rows_convert_exactly() {
+    use spark_backend_cpu::kernels::Row;
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    for n in [1usize, 15, 16, 17, 33, all.len()] {
+        let src = &all[all.len() - n..];
+        let mut out = vec![0.0f32; n];
+        Row::F16(src).to_f32(&mut out);
+        for (&b, &o) in src.iter().zip(&out) {
+            let want = half::f16::from_bits(b).to_f32();
+            if want.is_nan() {
+                assert!(o.is_nan(), "n={n} bits {b:#06x}: {o}");
+            } else {
+                assert_eq!(o.to_bits(), want.to_bits(), "n={n} bits {b:#06x}");
+            }
+        }
+    }
+}
+
 /// AMX and the AVX512_BF16 prefill write their f32 sums rounded to bf16 to nearest, ties to
 /// even, NaN kept: sums exact in f32 in any order (two bf16 terms), placed above, at and below
 /// half a bf16 ulp of 1, in every row of a 16-row block and in a row tail, at 1 and 17 tokens

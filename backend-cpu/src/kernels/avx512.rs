@@ -51,3 +51,23 @@ pub unsafe fn bf16_to_f32(src: &[u16], out: &mut [f32]) {
         i += 1;
     }
 }
+
+/// `out[i] = f32(src[i])` for f16 bits `src` (exact: `vcvtph2ps`, 16 at a time).
+///
+/// # Safety
+/// The CPU must support AVX-512F; `out.len() == src.len()`.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn f16_to_f32(src: &[u16], out: &mut [f32]) {
+    let n = src.len();
+    let (sp, op) = (src.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        let h = _mm256_loadu_si256(sp.add(i) as *const __m256i);
+        _mm512_storeu_ps(op.add(i), _mm512_cvtph_ps(h));
+        i += 16;
+    }
+    while i < n {
+        *op.add(i) = half::f16::from_bits(*sp.add(i)).to_f32();
+        i += 1;
+    }
+}

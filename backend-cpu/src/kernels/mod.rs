@@ -480,6 +480,13 @@ impl Row<'_> {
                 }
             }
             Row::F16(r) => {
+                assert_eq!(out.len(), r.len(), "Row::to_f32: output length");
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: AVX-512F detected; both slices hold `r.len()` elements.
+                    unsafe { avx512::f16_to_f32(r, out) };
+                    return;
+                }
                 for (o, &b) in out.iter_mut().zip(r.iter()) {
                     *o = half::f16::from_bits(b).to_f32();
                 }

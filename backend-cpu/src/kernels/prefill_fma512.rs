@@ -142,31 +142,6 @@ unsafe fn transpose16_tokens(x: &[f32], k: usize, dst: &mut [f32]) {
     }
 }
 
-/// Row `r` of `w` (`k` columns) as f32 into `out` (exact for every format).
-///
-/// # Safety
-/// AVX-512F; `out.len() == k`; `w` holds row `r`.
-#[target_feature(enable = "avx512f")]
-unsafe fn row_f32(w: Mat<'_>, r: usize, k: usize, out: &mut [f32]) {
-    match w {
-        Mat::F32(d) => out.copy_from_slice(&d[r * k..(r + 1) * k]),
-        // SAFETY: AVX-512F (contract); the lengths match.
-        Mat::BF16(d) => unsafe { super::avx512::bf16_to_f32(&d[r * k..(r + 1) * k], out) },
-        Mat::F16(d) => {
-            let src = &d[r * k..(r + 1) * k];
-            let mut i = 0;
-            while i + 16 <= k {
-                let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
-                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
-                i += 16;
-            }
-            for j in i..k {
-                out[j] = half::f16::from_bits(src[j]).to_f32();
-            }
-        }
-    }
-}
-
 /// Prefill: `out[t*m + r] = round(sum_j x[t*k + j] * W[r, j])` for `w` `[m, k]`, `n` tokens of
 /// any number (16 and more is where it pays), rows split across the rayon pool (see the module
 /// doc for the blocking).
@@ -209,8 +184,7 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: 
         for b0 in (r0..r1).step_by(band) {
             let b1 = (b0 + band).min(r1);
             for (i, row) in held.chunks_exact_mut(ks).take(b1 - b0).enumerate() {
-                // SAFETY: AVX-512F (contract); row b0 + i < m lies in w.
-                unsafe { row_f32(w, b0 + i, k, &mut row[..k]) };
+                w.row(b0 + i, k).to_f32(&mut row[..k]);
             }
             let base = held.as_ptr();
             let tiles = (b1 - b0).div_ceil(ROWS);
