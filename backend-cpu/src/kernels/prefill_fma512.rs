@@ -216,11 +216,9 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: 
                 for (p, acc) in accs.iter().enumerate().take(tiles) {
                     let p0 = b0 + p * ROWS;
                     let nr = ROWS.min(b1 - p0);
-                    for (j, a) in acc.iter().enumerate().take(nr) {
-                        for (t, &v) in a.iter().enumerate().take(nt) {
-                            stage[t * rows_held + p0 - b0 + j] = v;
-                        }
-                    }
+                    // SAFETY: AVX-512F (contract); token t < nt's nr sums go to stage[t *
+                    // rows_held + p0 - b0..][..nr], inside the band's row of `stage`.
+                    unsafe { stage_tile(acc, nr, nt, &mut stage[p0 - b0..], rows_held) };
                 }
                 for t in 0..nt {
                     // SAFETY: t0 + t < n, b1 <= r1 <= m; rows [r0, r1) belong to this task.
@@ -230,6 +228,31 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: 
         }
         HELD.with(|h| h.replace(held));
     });
+}
+
+/// A tile's sums `acc` (`[row][token]`) into `stage` by token: `stage[t * ld + j] = acc[j][t]`
+/// for rows `j < nr` and tokens `t < nt`, sixteen tokens at a time through a 16 x 16 transpose
+/// (the scalar stores it replaces, 384 per tile and token block, each to another line, took 2.5
+/// % of whole-model bf16 pp512's CPU time, this 0.7-1 %; `perf record`, docs/BENCHMARKS.md,
+/// session 48).
+///
+/// # Safety
+/// AVX-512F; `nr <= ROWS`, `nt <= TOKENS`, `stage.len() >= (nt - 1) * ld + nr` when `nt > 0`.
+#[target_feature(enable = "avx512f")]
+unsafe fn stage_tile(acc: &[[f32; TOKENS]; ROWS], nr: usize, nt: usize, stage: &mut [f32], ld: usize) {
+    debug_assert!(nr <= ROWS && nt <= TOKENS && (nt == 0 || stage.len() >= (nt - 1) * ld + nr));
+    let sp = stage.as_mut_ptr();
+    let mask: __mmask16 = (1 << nr) - 1;
+    for t0 in (0..nt).step_by(16) {
+        let mut v = [_mm512_setzero_si512(); 16];
+        for (j, vj) in v.iter_mut().enumerate().take(ROWS) {
+            *vj = _mm512_castps_si512(_mm512_loadu_ps(acc[j].as_ptr().add(t0)));
+        }
+        let by_token = super::amx::transpose16(v);
+        for (i, col) in by_token.iter().enumerate().take(nt - t0) {
+            _mm512_mask_storeu_ps(sp.add((t0 + i) * ld), mask, _mm512_castsi512_ps(*col));
+        }
+    }
 }
 
 /// [`ROWS`] rows x `16 V` tokens over `k` columns: per column, each row's weight broadcast
