@@ -129,6 +129,34 @@ pub fn huge_page_bytes() -> (u64, u64) {
     (proc_kb(&s, "AnonHugePages").unwrap_or(0), proc_kb(&s, "FilePmdMapped").unwrap_or(0))
 }
 
+/// Resident bytes of this process's file mappings (`RssFile`: the mapped checkpoint, the
+/// binary and its libraries; 0 where /proc is missing).
+pub fn rss_file() -> u64 {
+    std::fs::read_to_string("/proc/self/status").ok().and_then(|s| proc_kb(&s, "RssFile")).unwrap_or(0)
+}
+
+/// The note `bench` prints when a checkpoint served from its mapping sits mostly on small
+/// pages: `served` bytes per decode step read from the mapping (the step's bytes less the
+/// repacked anonymous weights), `small` resident file bytes not mapped in 2 MiB pages. With the
+/// huge-page advice on, a file read into the page cache by this mapping comes in 2 MiB folios;
+/// one already cached in small folios (written or copied just before: `gen-random`, a
+/// download, a conversion) stays so, and decode then streams it through 4 KiB pages (bf16
+/// 1.7B shape, 2 threads of an Emerald Rapids VM, tg96: a fresh copy of the checkpoint, 0 GB on
+/// huge pages, median 6.05 tok/s against 6.56 for the same weights on 3.3 GB of huge pages,
+/// slower in 7 of 8 alternations; docs/BENCHMARKS.md, session 48).
+pub fn small_page_note(served: u64, small: u64) -> Option<String> {
+    const MIN_SERVED: u64 = 256 << 20;
+    (spark_core::memory::huge_pages_enabled() && served >= MIN_SERVED && small >= served / 4).then(|| {
+        format!(
+            "note: {:.2} GB of the mapped files sit on small pages (the page cache held the checkpoint in small \
+             folios before it was mapped, as it does right after the file was written or copied); decode reads \
+             them through 4 KiB pages, slower than it can. Evicting the file from the page cache (`vmtouch -e \
+             FILE`, or `echo 1 > /proc/sys/vm/drop_caches` as root) lets the next run read it back in 2 MiB pages.",
+            small as f64 / 1e9
+        )
+    })
+}
+
 /// Samples RssAnon every few milliseconds in a background thread and keeps the peak.
 struct PeakRss {
     peak: Arc<AtomicU64>,
@@ -557,6 +585,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let settled = rss_anon();
     let (huge_anon, huge_file) = huge_page_bytes();
+    let file_small = rss_file().saturating_sub(huge_file);
+    let served_mapped = (bytes_per_token as u64).saturating_sub(settled.saturating_sub(rss0));
 
     // Fidelity against f32.
     let mut snr = None;
@@ -588,6 +618,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
 
     let gb = |b: u64| b as f64 / 1e9;
     if a.json {
+        if let Some(note) = small_page_note(served_mapped, file_small) {
+            eprintln!("{note}");
+        }
         for r in &rows {
             let mut o = serde_json::json!({"model": model_name, "backend": info.backend, "simd": l.simd,
                 "precision": precision, "dtype": info.dtype.name(), "threads": l.threads, "test": r.test,
@@ -596,7 +629,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "ubatch": (r.test.starts_with("pp") && a.ubatch > 0).then_some(a.ubatch), "depth": a.depth,
                 "read_bw_gb_s": (bw > 0.0).then_some(bw / 1e9), "load_s": l.load_time.as_secs_f64(),
                 "rss_anon_peak_gb": gb(load_peak.saturating_sub(rss0)), "rss_anon_settled_gb": gb(settled.saturating_sub(rss0)),
-                "huge_pages_anon_gb": gb(huge_anon), "huge_pages_file_gb": gb(huge_file)});
+                "huge_pages_anon_gb": gb(huge_anon), "huge_pages_file_gb": gb(huge_file),
+                "file_small_pages_gb": gb(file_small)});
             if let Some(((s, ag), (sd, agd), n)) = snr {
                 o["logit_snr_db"] = serde_json::json!(s);
                 o["greedy_agree"] = serde_json::json!(ag as f64 / n as f64);
@@ -636,6 +670,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 gb(huge_file)
             );
         }
+        if let Some(note) = small_page_note(served_mapped, file_small) {
+            println!("{note}");
+        }
         if let Some(((s, ag), (sd, agd), n)) = snr {
             println!(
                 "fidelity vs f32 on a fixed {n}-token prompt: logit SNR {s:.1} dB, greedy agreement {ag}/{n} \
@@ -650,6 +687,23 @@ pub fn run(a: BenchArgs) -> Result<()> {
 mod tests {
     use backend_cpu::kernels::{qmatmul::QMat, QSimd};
     use spark_core::quant::{quantize, QFormat, QuantSpec};
+
+    /// The small-page note: for a checkpoint served from its mapping with a quarter or more of
+    /// it on small pages, not for a mostly huge mapping, nor for weights repacked into anonymous
+    /// memory (little served from the mapping), nor with the advice turned off.
+    #[test]
+    fn small_page_note_names_only_mappings_served_on_small_pages() {
+        const GB: u64 = 1_000_000_000;
+        if spark_core::memory::huge_pages_enabled() {
+            let note = super::small_page_note(3 * GB, 3 * GB).expect("all on small pages");
+            assert!(note.contains("3.00 GB"), "{note}");
+            assert!(super::small_page_note(3 * GB, GB).is_some());
+            assert!(super::small_page_note(3 * GB, GB / 10).is_none(), "mostly on huge pages");
+            assert!(super::small_page_note(GB / 10, GB).is_none(), "weights repacked, little served mapped");
+        } else {
+            assert!(super::small_page_note(3 * GB, 3 * GB).is_none(), "SPARK_HUGE_PAGES=0: no advice, no note");
+        }
+    }
 
     /// The bytes counted for int4 read through sub-scales (AVX2 level) or on grids (VNNI, AMX INT8)
     /// are what those levels hold and read of a matrix `spark-run quantize` writes.
