@@ -146,15 +146,25 @@ pub fn rss_file() -> u64 {
 /// slower in 7 of 8 alternations; docs/BENCHMARKS.md, session 48).
 pub fn small_page_note(served: u64, small: u64) -> Option<String> {
     const MIN_SERVED: u64 = 256 << 20;
-    (spark_core::memory::huge_pages_enabled() && served >= MIN_SERVED && small >= served / 4).then(|| {
-        format!(
-            "note: {:.2} GB of the mapped files sit on small pages (the page cache held the checkpoint in small \
-             folios before it was mapped, as it does right after the file was written or copied); decode reads \
-             them through 4 KiB pages, slower than it can. Evicting the file from the page cache (`vmtouch -e \
-             FILE`, or `echo 1 > /proc/sys/vm/drop_caches` as root) lets the next run read it back in 2 MiB pages.",
-            small as f64 / 1e9
-        )
-    })
+    (spark_core::memory::huge_pages_enabled() && !thp_disabled() && served >= MIN_SERVED && small >= served / 4).then(
+        || {
+            format!(
+                "note: {:.2} GB of the mapped files sit on small pages, so decode reads them through 4 KiB pages, \
+                 slower than it can. If the page cache held the checkpoint in small folios before it was mapped \
+                 (as right after the file was written or copied), evicting it (`vmtouch -e FILE`, or `echo 1 > \
+                 /proc/sys/vm/drop_caches` as root) lets the next run read it back in 2 MiB pages, where the kernel \
+                 and file system keep files in huge pages.",
+                small as f64 / 1e9
+            )
+        },
+    )
+}
+
+/// Whether transparent huge pages are off system-wide (`never` in
+/// `/sys/kernel/mm/transparent_hugepage/enabled`; false where the file is missing): then no
+/// eviction brings them and the small-page note would mislead.
+fn thp_disabled() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").is_ok_and(|s| s.contains("[never]"))
 }
 
 /// Samples RssAnon every few milliseconds in a background thread and keeps the peak.
@@ -690,18 +700,18 @@ mod tests {
 
     /// The small-page note: for a checkpoint served from its mapping with a quarter or more of
     /// it on small pages, not for a mostly huge mapping, nor for weights repacked into anonymous
-    /// memory (little served from the mapping), nor with the advice turned off.
+    /// memory (little served from the mapping), nor with the advice or the kernel's huge pages off.
     #[test]
     fn small_page_note_names_only_mappings_served_on_small_pages() {
         const GB: u64 = 1_000_000_000;
-        if spark_core::memory::huge_pages_enabled() {
+        if spark_core::memory::huge_pages_enabled() && !super::thp_disabled() {
             let note = super::small_page_note(3 * GB, 3 * GB).expect("all on small pages");
             assert!(note.contains("3.00 GB"), "{note}");
             assert!(super::small_page_note(3 * GB, GB).is_some());
             assert!(super::small_page_note(3 * GB, GB / 10).is_none(), "mostly on huge pages");
             assert!(super::small_page_note(GB / 10, GB).is_none(), "weights repacked, little served mapped");
         } else {
-            assert!(super::small_page_note(3 * GB, 3 * GB).is_none(), "SPARK_HUGE_PAGES=0: no advice, no note");
+            assert!(super::small_page_note(3 * GB, 3 * GB).is_none(), "no huge pages asked or given: no note");
         }
     }
 
