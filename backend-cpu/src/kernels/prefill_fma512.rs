@@ -232,9 +232,9 @@ pub unsafe fn prefill(x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, out: 
 
 /// A tile's sums `acc` (`[row][token]`) into `stage` by token: `stage[t * ld + j] = acc[j][t]`
 /// for rows `j < nr` and tokens `t < nt`, sixteen tokens at a time through a 16 x 16 transpose
-/// (the scalar stores it replaces, 384 per tile and token block, each to another line, took 2.5
-/// % of whole-model bf16 pp512's CPU time, this 0.7-1 %; `perf record`, docs/BENCHMARKS.md,
-/// session 48).
+/// (the scalar stores it replaces, 384 per tile and token block, each to another line: the
+/// stage's share of whole-model bf16 pp512's CPU samples 2.25 % -> 0.84 % here plus 0.62 % left
+/// in the driver; `perf record`, docs/BENCHMARKS.md, session 48).
 ///
 /// # Safety
 /// AVX-512F; `nr <= ROWS`, `nt <= TOKENS`, `stage.len() >= (nt - 1) * ld + nr` when `nt > 0`.
