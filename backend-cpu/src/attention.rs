@@ -166,8 +166,9 @@ impl CpuKv {
 /// (blocks of up to 64 rows), or past 64 MiB of them (`AMX_PACK_BUDGET`) by each block (of up
 /// to 256 rows) a run of positions at a time; the scores and weighted values are sums of the
 /// same exact bf16 products in another order (the softmax and every rounding as above). CPUs
-/// with AVX512_BF16 and no AMX (Zen 4/5) take the same path with the tile products in
-/// `vdpbf16ps` ([`crate::kernels::attn_amx::scores_dp`], `weighted_dp`).
+/// without AMX run the same tile products on the same layouts in other instructions
+/// (`Products`): `vdpbf16ps` where it is fast (AMD's Zen 4/5), f32 FMAs on the other AVX-512
+/// cores (Intel's, with or without AVX512_BF16).
 pub fn attend(
     simd: Simd,
     qkv: &CpuTensor,
@@ -182,7 +183,8 @@ pub fn attend(
 
 /// The loops a call may take (tests compare them): the one-row loops, the f32 tile loops where
 /// the head dim allows ([`crate::kernels::attn_avx2`], [`crate::kernels::attn_avx512`]), or also
-/// the bf16 tiles (AMX, or `vdpbf16ps` on its layouts) for prefill with bf16 activations.
+/// the bf16 tiles for prefill with bf16 activations, their products as [`Products::for_cpu`]
+/// picks them or (tests) as given.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Loops {
     OneRow,
@@ -190,6 +192,68 @@ enum Loops {
     #[cfg_attr(not(test), allow(dead_code))]
     F32Tiles,
     Bf16Tiles,
+    /// The bf16 tiles with these products, whatever the CPU would pick (tests run each one
+    /// this CPU can).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Bf16TilesAs(Products),
+}
+
+/// What computes the bf16 tiles' products (the layouts of [`crate::kernels::attn_amx`]): AMX
+/// tiles, `vdpbf16ps`, or f32 FMAs. The same exact products of bf16 values, summed in f32 in
+/// three orders.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) enum Products {
+    /// AMX BF16 tiles (`tdpbf16ps`).
+    Amx,
+    /// AVX512_BF16 `vdpbf16ps` ([`crate::kernels::attn_amx::scores_dp`], `weighted_dp`).
+    Dp,
+    /// AVX-512F FMAs on the bf16 values widened to f32 ([`crate::kernels::attn_amx::scores_fma`],
+    /// `weighted_fma`).
+    Fma,
+}
+
+impl Products {
+    /// The products at level `simd` on this CPU, if any: AMX at the `Amx` level (granted); at
+    /// the `Avx512` level, `vdpbf16ps` where present and fast, else (Intel cores,
+    /// [`crate::kernels::matmul::vdpbf16ps_is_slow`], and AVX-512 cores without AVX512_BF16)
+    /// FMAs, given AVX-512BW for the packing. On one thread pair of an Emerald Rapids guest
+    /// (2048 and 8192 cached positions, 512 queries, the 1.7B shape's full layer) the FMA tiles
+    /// took 0.75-0.81 of the `vdpbf16ps` tiles' time and the `vdpbf16ps` tiles 0.55-0.57 of the f32
+    /// loops' (docs/BENCHMARKS.md, session 49).
+    pub(crate) fn for_cpu(simd: Simd) -> Option<Products> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::kernels::{amx, avx512bf16, matmul::vdpbf16ps_is_slow};
+            match simd {
+                Simd::Amx if amx::available() => Some(Products::Amx),
+                Simd::Avx512 if avx512bf16::available() && !vdpbf16ps_is_slow() => Some(Products::Dp),
+                Simd::Avx512 if Products::Fma.available() => Some(Products::Fma),
+                _ => None,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = simd;
+            None
+        }
+    }
+
+    /// Whether this CPU can run these products.
+    pub(crate) fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            match self {
+                Products::Amx => crate::kernels::amx::available(),
+                Products::Dp => crate::kernels::avx512bf16::available(),
+                Products::Fma => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
 }
 
 /// Bytes of scores one attention task holds at most (16 MiB: a decode block of 8 heads keeps
@@ -220,7 +284,15 @@ fn attend_with_budget(
     let ocols = out.cols;
     assert!(out.rows >= chunk.row + chunk.len && ocols == qd, "attend: output has the wrong shape");
     let threads = rayon::current_num_threads().max(1);
-    let packed = amx_pack(simd, qkv, chunk, shape, kv, round, loops == Loops::Bf16Tiles, amx_budget);
+    let products = match loops {
+        Loops::Bf16Tiles => Products::for_cpu(simd),
+        Loops::Bf16TilesAs(p) => {
+            assert!(p.available(), "attend: {p:?} tile products on a CPU without them");
+            Some(p)
+        }
+        Loops::OneRow | Loops::F32Tiles => None,
+    };
+    let packed = amx_pack(qkv, chunk, shape, kv, round, products, amx_budget);
     let tiles = loops != Loops::OneRow;
     // Blocks as large as keep the pool busy: up to 8 queries x all heads of a KV group (with AMX
     // tiles, up to 64 rows, every packed key and value then serving four row tiles; 256 where
@@ -259,9 +331,19 @@ fn attend_with_budget(
         let i1 = (i0 + qb).min(chunk.len);
         let h0 = hi * hb;
         let rows = Block { i0, i1, h0, h1: h0 + hb, kvh: h0 / group };
-        let dp = simd != Simd::Amx;
-        let args =
-            BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx: packed.as_ref(), dp };
+        let args = BlockArgs {
+            qkv,
+            chunk,
+            shape,
+            kv,
+            round,
+            outp,
+            ocols,
+            score_budget,
+            tiles,
+            amx: packed.as_ref(),
+            products: products.unwrap_or(Products::Amx),
+        };
         attend_block(simd, &args, rows, scratch);
     });
 }
@@ -369,29 +451,25 @@ fn kv_row<'a>(
     }
 }
 
-/// Whether this call runs on AMX tiles, and how: AMX granted, activations rounded to bf16 (so
-/// q, k, v and the probabilities are bf16 values), head dims a multiple of 32, at least
-/// [`AMX_MIN_QUERIES`] queries; the keys and values packed once here when they take at most
-/// `pack_budget` bytes, else by each block.
-#[allow(clippy::too_many_arguments)]
+/// Whether this call runs on the bf16 tiles, and how: `products` for them (AMX granted, or
+/// [`Products::Dp`] / [`Products::Fma`] available), activations rounded to bf16 (so q, k, v and
+/// the probabilities are bf16 values), head dims a multiple of 32, at least [`AMX_MIN_QUERIES`]
+/// queries; the keys and values packed once here when they take at most `pack_budget` bytes,
+/// else by each block.
 fn amx_pack(
-    simd: Simd,
     qkv: &CpuTensor,
     chunk: AttnChunk,
     shape: AttnShape,
     kv: &CpuKv,
     round: DType,
-    tiles: bool,
+    products: Option<Products>,
     pack_budget: usize,
 ) -> Option<Amx> {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::kernels::attn_amx::PackedKv;
         let d = shape.head_dim;
-        // AMX tiles, or their products in `vdpbf16ps` on CPUs with AVX512_BF16 and no AMX.
-        let bf16_tiles = (simd == Simd::Amx && crate::kernels::amx::available())
-            || (simd == Simd::Avx512 && crate::kernels::avx512bf16::available());
-        if !(tiles && bf16_tiles && round == DType::BF16 && d.is_multiple_of(32) && chunk.len >= AMX_MIN_QUERIES) {
+        if !(products.is_some() && round == DType::BF16 && d.is_multiple_of(32) && chunk.len >= AMX_MIN_QUERIES) {
             return None;
         }
         let (lo, n) = call_span(chunk, shape);
@@ -399,12 +477,13 @@ fn amx_pack(
             return Some(Amx::PerBlock);
         }
         let row = |value: bool, kvh: usize, pos: usize| kv_row(qkv, chunk, shape, kv, value, kvh, pos);
-        // SAFETY: AMX and AVX512_BF16 availability both imply AVX-512F and AVX-512BW.
+        // SAFETY: every kind of products is available only with AVX-512F and AVX-512BW (AMX
+        // and AVX512_BF16 imply both; `Products::available` checks them for FMAs).
         Some(Amx::Shared(unsafe { PackedKv::pack(shape.n_kv_heads, d, lo, n, &row) }))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (simd, qkv, chunk, shape, kv, round, tiles, pack_budget);
+        let _ = (qkv, chunk, shape, kv, round, products, pack_budget);
         None
     }
 }
@@ -421,8 +500,8 @@ struct BlockArgs<'a> {
     score_budget: usize,
     tiles: bool,
     amx: Option<&'a Amx>,
-    /// With `amx`: the tile products in `vdpbf16ps` (AVX512_BF16 without AMX), not on AMX.
-    dp: bool,
+    /// With `amx`: what computes the tile products (not read without).
+    products: Products,
 }
 
 /// Queries per attention task at most.
@@ -467,8 +546,12 @@ struct Scratch {
     dots: Vec<f32>,
     /// AMX: the block's queries as A tiles.
     qa: Vec<u16>,
+    /// [`Products::Fma`]: the block's queries as A tiles of f32.
+    qa32: Vec<f32>,
     /// AMX: a segment's probabilities as A tiles.
     pa: Vec<u16>,
+    /// [`Products::Fma`]: a segment's probabilities as A tiles of f32.
+    pa32: Vec<f32>,
     /// AMX: one key group's score tiles.
     ctiles: Vec<[f32; 256]>,
     /// AMX: a segment's keys and values, for a block that packs its own ([`Amx::PerBlock`]).
@@ -545,7 +628,7 @@ const KV_TILE: usize = 64;
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 #[inline(never)]
 fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratch) {
-    let &BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx, dp } = args;
+    let &BlockArgs { qkv, chunk, shape, kv, round, outp, ocols, score_budget, tiles, amx, products } = args;
     let d = shape.head_dim;
     let kvh = b.kvh;
     let nh = b.h1 - b.h0;
@@ -559,7 +642,7 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
     let row = |value: bool, kvh: usize, pos: usize| kv_row(qkv, chunk, shape, kv, value, kvh, pos);
     let value = |pos: usize| kv_row(qkv, chunk, shape, kv, true, kvh, pos);
     let query = |i: usize, h: usize| &qkv.data[(chunk.row + i) * qkv.cols + h * d..][..d];
-    let Scratch { scores, acc, tile, dots, qa, pa, ctiles, own } = scratch;
+    let Scratch { scores, acc, tile, dots, qa, qa32, pa, pa32, ctiles, own } = scratch;
     // AVX2 or AVX-512 with head dims a multiple of 32: the same sums, over tiles of f32 rows.
     let wide = amx.is_none() && tiles && cfg!(target_arch = "x86_64") && simd >= Simd::Avx2 && d.is_multiple_of(32);
     let avx512 = simd >= Simd::Avx512;
@@ -574,13 +657,15 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
         let mut rows = Vec::with_capacity(nrows);
         b.each_row(|i, h, _| rows.push(query(i, h)));
         ctiles.resize(nrt, [0.0; 256]);
-        // SAFETY: an AMX block exists only when AMX or AVX512_BF16 is available (`amx_pack`),
-        // either implying AVX-512F/BW; the rows are d long, d a multiple of 32. With AMX the
-        // tile state is released at the end of this function.
+        // SAFETY: an AMX block exists only when its products are available (`amx_pack`), each
+        // kind with AVX-512F/BW; the rows are d long, d a multiple of 32. With AMX the tile
+        // state is released at the end of this function.
         unsafe {
             crate::kernels::attn_amx::pack_queries(&rows, d, qa);
-            if !dp {
-                crate::kernels::attn_amx::begin();
+            match products {
+                Products::Amx => crate::kernels::attn_amx::begin(),
+                Products::Fma => crate::kernels::attn_amx::widen_bf16(qa, qa32),
+                Products::Dp => {}
             }
         }
     }
@@ -614,20 +699,23 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
             if let Some(mode) = amx {
                 #[cfg(target_arch = "x86_64")]
                 {
-                    use crate::kernels::attn_amx::{scale_scores, scores as amx_scores, scores_dp, KEY_GROUP};
+                    use crate::kernels::attn_amx::{
+                        scale_scores, scores as amx_scores, scores_dp, scores_fma, KEY_GROUP,
+                    };
                     let ct = &mut ctiles[..nrt];
                     amx_runs(mode, own, kvh, d, (s0, s1), false, &row, |p, kvh, q0, q1| {
                         for g in (q0 - p.base()) / KEY_GROUP..=(q1 - p.base()) / KEY_GROUP {
                             let gp = p.base() + g * KEY_GROUP;
                             // SAFETY: with AMX the tile configuration is loaded on this thread
-                            // (above), else AVX512_BF16 is available (`amx_pack`); qa holds nrt row
-                            // tiles of d / 32 steps, ct nrt tiles; positions q0..=q1 lie in the
-                            // packed span, so group g is one of its groups.
+                            // (above), else the products' instructions are available
+                            // (`amx_pack`); qa (qa32 for FMAs) holds nrt row tiles of d / 32
+                            // steps, ct nrt tiles; positions q0..=q1 lie in the packed span, so
+                            // group g is one of its groups.
                             unsafe {
-                                if dp {
-                                    scores_dp(p, kvh, g, qa, nrt, ct)
-                                } else {
-                                    amx_scores(p, kvh, g, qa, nrt, ct)
+                                match products {
+                                    Products::Dp => scores_dp(p, kvh, g, qa, nrt, ct),
+                                    Products::Fma => scores_fma(p, kvh, g, qa32, nrt, ct),
+                                    Products::Amx => amx_scores(p, kvh, g, qa, nrt, ct),
                                 }
                             };
                             let (t0, t1) = (gp.max(q0), (gp + KEY_GROUP - 1).min(q1));
@@ -726,15 +814,21 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
             if let Some(mode) = amx {
                 #[cfg(target_arch = "x86_64")]
                 {
-                    use crate::kernels::attn_amx::{bf16_bits, weighted, weighted_dp, VALUE_BLOCK};
+                    use crate::kernels::attn_amx::{bf16_bits, weighted, weighted_dp, weighted_fma, VALUE_BLOCK};
                     amx_runs(mode, own, kvh, d, (s0, s1), true, &row, |p, kvh, q0, q1| {
                         // The probabilities as A tiles `[block][row tile]` (16 rows x 32 positions,
-                        // bf16: rounded to bf16 above, so the high halves exactly), zero where a row
-                        // does not see a position.
+                        // bf16: rounded to bf16 above, so the high halves exactly; for FMAs the
+                        // f32 values themselves), zero where a row does not see a position.
                         let b0 = (q0 - p.base()) / VALUE_BLOCK;
                         let nb = (q1 - p.base()) / VALUE_BLOCK + 1 - b0;
-                        pa.clear();
-                        pa.resize(nb * nrt * 512, 0);
+                        let fma = products == Products::Fma;
+                        if fma {
+                            pa32.clear();
+                            pa32.resize(nb * nrt * 512, 0.0);
+                        } else {
+                            pa.clear();
+                            pa.resize(nb * nrt * 512, 0);
+                        }
                         b.each_row(|i, _, r| {
                             if let Some((a, z)) = range(i, q0, q1) {
                                 let (rt, ri) = (r / 16, r % 16);
@@ -743,21 +837,27 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
                                 while pos <= z {
                                     let (bi, j) = ((pos - p.base()) / VALUE_BLOCK - b0, (pos - p.base()) % VALUE_BLOCK);
                                     let run = (VALUE_BLOCK - j).min(z + 1 - pos);
-                                    let dst = &mut pa[(bi * nrt + rt) * 512 + ri * 32 + j..][..run];
-                                    // SAFETY: AVX-512F (AMX or AVX512_BF16); both hold `run` values.
-                                    unsafe { bf16_bits(&sc[r * len + pos - s0..][..run], dst) };
+                                    let (at, src) =
+                                        ((bi * nrt + rt) * 512 + ri * 32 + j, &sc[r * len + pos - s0..][..run]);
+                                    if fma {
+                                        pa32[at..][..run].copy_from_slice(src);
+                                    } else {
+                                        // SAFETY: AVX-512F (every kind of products); both hold `run` values.
+                                        unsafe { bf16_bits(src, &mut pa[at..][..run]) };
+                                    }
                                     pos += run;
                                 }
                             }
                         });
                         // SAFETY: with AMX the tile configuration is loaded on this thread, else
-                        // AVX512_BF16 is available; pa holds nb * nrt tiles; acc holds 16 nrt rows
-                        // of d; blocks b0..b0 + nb cover q0..=q1, inside the packed span.
+                        // the products' instructions are available; pa (pa32 for FMAs) holds nb *
+                        // nrt tiles; acc holds 16 nrt rows of d; blocks b0..b0 + nb cover q0..=q1,
+                        // inside the packed span.
                         unsafe {
-                            if dp {
-                                weighted_dp(p, kvh, b0, nb, pa, nrt, acc)
-                            } else {
-                                weighted(p, kvh, b0, nb, pa, nrt, acc)
+                            match products {
+                                Products::Dp => weighted_dp(p, kvh, b0, nb, pa, nrt, acc),
+                                Products::Fma => weighted_fma(p, kvh, b0, nb, pa32, nrt, acc),
+                                Products::Amx => weighted(p, kvh, b0, nb, pa, nrt, acc),
                             }
                         };
                     });
@@ -802,8 +902,8 @@ fn attend_block(simd: Simd, args: &BlockArgs<'_>, b: Block, scratch: &mut Scratc
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if amx.is_some() && !dp {
-        // SAFETY: AMX is available (an AMX block without `dp` exists); loaded above.
+    if amx.is_some() && products == Products::Amx {
+        // SAFETY: AMX is available (a block on AMX products exists); loaded above.
         unsafe { crate::kernels::attn_amx::release() };
     }
     for i in b.i0..b.i1 {
@@ -918,23 +1018,19 @@ mod tests {
     }
 
     /// The bf16 tiles (bf16 activations, chunks of at least 16 queries) against the AVX-512 f32
-    /// loops, on AMX and in `vdpbf16ps` (AVX512_BF16 without AMX), whichever this CPU has: the
-    /// same products summed in another order, so outputs agree to a few bf16 units in the last
+    /// loops, with each kind of tile products this CPU has (AMX; `vdpbf16ps` with AVX512_BF16;
+    /// f32 FMAs on any AVX-512 core), whichever [`Products::for_cpu`] would pick: the same
+    /// products summed in another order, so outputs agree to a few bf16 units in the last
     /// place; and segmented spans and per-block packing give the path's own results again.
     #[test]
     fn bf16_tiles_match_the_f32_loops() {
-        #[cfg(target_arch = "x86_64")]
-        let levels: Vec<Simd> = [
-            (Simd::Amx, Simd::detect() >= Simd::Amx),
-            (Simd::Avx512, Simd::detect() >= Simd::Avx512 && crate::kernels::avx512bf16::available()),
-        ]
-        .into_iter()
-        .filter_map(|(s, ok)| ok.then_some(s))
-        .collect();
-        #[cfg(not(target_arch = "x86_64"))]
-        let levels: Vec<Simd> = Vec::new();
+        let levels: Vec<(Simd, Products)> =
+            [(Simd::Amx, Products::Amx), (Simd::Avx512, Products::Dp), (Simd::Avx512, Products::Fma)]
+                .into_iter()
+                .filter(|&(s, p)| Simd::detect() >= s && p.available())
+                .collect();
         if levels.is_empty() {
-            eprintln!("skipped: this CPU has neither AMX (granted by the OS) nor AVX512_BF16");
+            eprintln!("skipped: this CPU has no AVX-512 (nor AMX)");
             return;
         }
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
@@ -953,17 +1049,17 @@ mod tests {
             let f32_loops =
                 run(&pool, Simd::Avx512, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::F32Tiles, AMX_PACK_BUDGET);
             let scale = f32_loops.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            for (li, &simd) in levels.iter().enumerate() {
-                let tiles =
-                    run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, Loops::Bf16Tiles, AMX_PACK_BUDGET);
+            for (li, &(simd, products)) in levels.iter().enumerate() {
+                let loops = Loops::Bf16TilesAs(products);
+                let tiles = run(&pool, simd, shape, dtype, kv, qkv, chunk, SCORE_BUDGET, loops, AMX_PACK_BUDGET);
                 let err = f32_loops.iter().zip(&tiles).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
                 worst[li] = worst[li].max(err);
                 assert!(
                     err <= AMX_TOLERANCE,
-                    "{simd:?} {shape:?} chunk {chunk:?}: bf16 tiles differ by {err} of the largest output"
+                    "{products:?} {shape:?} chunk {chunk:?}: bf16 tiles differ by {err} of the largest output"
                 );
                 if chunk.len == 1 {
-                    assert!(same_bits(&f32_loops, &tiles), "{simd:?}: decode must stay on the f32 loops");
+                    assert!(same_bits(&f32_loops, &tiles), "{products:?}: decode must stay on the f32 loops");
                 } else {
                     // Outputs rounded to bf16 mostly hide the order of the f32 sums; over the
                     // whole test some must differ, or the tiles did not run.
@@ -974,32 +1070,33 @@ mod tests {
                 for (budget, amx_budget) in
                     [(1, AMX_PACK_BUDGET), (4 * 64 * 2 * KV_TILE, AMX_PACK_BUDGET), (SCORE_BUDGET, 0), (1, 0)]
                 {
-                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, Loops::Bf16Tiles, amx_budget);
+                    let seg = run(&pool, simd, shape, dtype, kv, qkv, chunk, budget, loops, amx_budget);
                     let err = tiles.iter().zip(&seg).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
                     assert!(
                         err <= AMX_TOLERANCE,
-                        "{simd:?} {shape:?} chunk {chunk:?} budget {budget}, packing {amx_budget}: differs by {err}"
+                        "{products:?} {shape:?} chunk {chunk:?} budget {budget}, packing {amx_budget}: differs by {err}"
                     );
                 }
             }
         });
-        for ((simd, w), n) in levels.iter().zip(&worst).zip(&differ) {
-            eprintln!("{simd:?} bf16 attention tiles vs the f32 loops: largest difference {w} of the largest output, {n} outputs differ");
-            assert!(*n > 0, "{simd:?}: no output differs from the f32 loops: the bf16 tiles did not run");
+        for ((products, w), n) in levels.iter().map(|l| l.1).zip(&worst).zip(&differ) {
+            eprintln!("{products:?} bf16 attention tiles vs the f32 loops: largest difference {w} of the largest output, {n} outputs differ");
+            assert!(*n > 0, "{products:?}: no output differs from the f32 loops: the bf16 tiles did not run");
         }
     }
 
     /// Times one full-attention prefill chunk deep into a context on the 1.7B shape (8 query
-    /// heads, 2 KV heads of 256, bf16), two threads: the f32 loops (AVX-512), AMX with the
-    /// call's keys and values packed once, AMX with each block packing its own. Not a test of
+    /// heads, 2 KV heads of 256, bf16), two threads: the f32 loops (AVX-512), then the bf16 tiles
+    /// with each kind of products this CPU has (AMX, `vdpbf16ps`, f32 FMAs), the call's keys and
+    /// values packed once and each block packing its own. Not a test of
     /// speed (it asserts nothing about it): `cargo test --release -p backend-cpu --lib
     /// bench_long_span -- --ignored --nocapture`, `ATTN_BENCH_POS` (default 8192) positions in
     /// the cache, `ATTN_BENCH_CHUNK` (default 512) queries.
     #[test]
     #[ignore]
     fn bench_long_span() {
-        if Simd::detect() < Simd::Amx {
-            eprintln!("skipped: this CPU has no AMX");
+        if Simd::detect() < Simd::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512");
             return;
         }
         let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
@@ -1027,11 +1124,22 @@ mod tests {
         let qkv = fill(len);
         let chunk = AttnChunk { row: 0, len, start_pos: pos };
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let (amx, dp, fma) =
+            (Loops::Bf16TilesAs(Products::Amx), Loops::Bf16TilesAs(Products::Dp), Loops::Bf16TilesAs(Products::Fma));
         for (name, simd, loops, amx_budget) in [
             ("f32 loops (AVX-512)", Simd::Avx512, Loops::F32Tiles, 0),
-            ("AMX, packed per call", Simd::Amx, Loops::Bf16Tiles, usize::MAX),
-            ("AMX, packed per block", Simd::Amx, Loops::Bf16Tiles, 0),
-        ] {
+            ("AMX, packed per call", Simd::Amx, amx, usize::MAX),
+            ("AMX, packed per block", Simd::Amx, amx, 0),
+            ("vdpbf16ps, packed per call", Simd::Avx512, dp, usize::MAX),
+            ("vdpbf16ps, packed per block", Simd::Avx512, dp, 0),
+            ("f32 FMA tiles, packed per call", Simd::Avx512, fma, usize::MAX),
+            ("f32 FMA tiles, packed per block", Simd::Avx512, fma, 0),
+        ]
+        .into_iter()
+        .filter(|&(_, simd, loops, _)| match loops {
+            Loops::Bf16TilesAs(p) => Simd::detect() >= simd && p.available(),
+            _ => true,
+        }) {
             let mut ms: Vec<f64> = (0..3)
                 .map(|_| {
                     let t = std::time::Instant::now();

@@ -15,9 +15,12 @@
 //!   the pair `(v[2r][16 g + c], v[2r + 1][16 g + c])`; the probabilities are the A tiles
 //!   (16 rows x 32 positions), so `P V` accumulates 16 rows x 16 columns per product.
 //!
-//! CPUs with AVX512_BF16 but no AMX (Zen 4/5) run the same tile products on the same layouts
-//! with `vdpbf16ps` ([`scores_dp`], [`weighted_dp`]): per B-tile row, one instruction per A row
-//! with that row's bf16 pair broadcast.
+//! CPUs without AMX run the same tile products on the same layouts: with `vdpbf16ps` where it
+//! is fast (AVX512_BF16 on Zen 4/5: [`scores_dp`], [`weighted_dp`]), per B-tile row one
+//! instruction per A row with that row's bf16 pair broadcast; on other AVX-512 cores (Intel's,
+//! whose `vdpbf16ps` issues at a quarter of the FMA's rate, or which lack it) in f32 FMAs on A
+//! tiles widened to f32 ([`scores_fma`], [`weighted_fma`]), per B-tile row two FMAs per A row.
+//! Which one runs: `crate::attention::Products::for_cpu`.
 //!
 //! A block's queries are packed into A tiles per 32 columns ([`pack_queries`]); its row tiles
 //! live in tmm0-3 (four at a time), the streamed B tile in tmm4, the A tile in tmm5. The accumulators of `P V`
@@ -511,6 +514,100 @@ pub unsafe fn weighted_dp(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &
             }
             for b in 0..nb {
                 dp_tile(&mut c, pa.as_ptr().add((b * nrt + rt) * TILE_U16), vt.add((b * vgroups + g) * TILE_U16));
+            }
+            for (m, cm) in c.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add(at(m)), *cm);
+            }
+        }
+    }
+}
+
+/// `c += A B` for one tile pair in f32 FMAs, on CPUs whose `vdpbf16ps` is slow (Intel cores,
+/// [`super::matmul::vdpbf16ps_is_slow`]) or missing: `a` an A tile widened to f32 (16 rows x
+/// 32 values, rows 32 apart: [`widen_bf16`]), `b` a B tile (16 rows of 16 bf16 pairs), `c` the
+/// 16 rows of 16 f32 accumulators. Per B row, its pairs split into the even and the odd f32
+/// values (a shift and a mask), then two FMAs per A row with that row's two values broadcast
+/// from memory: the same exact bf16 products as [`dp_tile`] and the tiles, summed in f32 in
+/// another order. On one Emerald Rapids core `vdpbf16ps zmm` issues at a quarter of the FMA's
+/// rate, half its multiply-adds per cycle (docs/BENCHMARKS.md, session 47).
+///
+/// # Safety
+/// AVX512F; `a` addresses 512 f32, `b` 512 u16.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_tile(c: &mut [__m512; 16], a: *const f32, b: *const u16) {
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    for r in 0..16 {
+        let bv = _mm512_loadu_si512(b.add(32 * r).cast());
+        let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bv));
+        let odd = _mm512_castsi512_ps(_mm512_and_si512(bv, high));
+        for (m, cm) in c.iter_mut().enumerate() {
+            *cm = _mm512_fmadd_ps(_mm512_set1_ps(*a.add(32 * m + 2 * r)), even, *cm);
+            *cm = _mm512_fmadd_ps(_mm512_set1_ps(*a.add(32 * m + 2 * r + 1)), odd, *cm);
+        }
+    }
+}
+
+/// `dst` = the bf16 values whose bits are `src`, as f32, in the same order (resized): A tiles
+/// for [`scores_fma`] and [`weighted_fma`].
+///
+/// # Safety
+/// AVX-512F is present.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn widen_bf16(src: &[u16], dst: &mut Vec<f32>) {
+    dst.clear();
+    dst.resize(src.len(), 0.0);
+    let full = src.len() / 16 * 16;
+    for j in (0..full).step_by(16) {
+        let v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.as_ptr().add(j).cast()));
+        _mm512_storeu_ps(dst.as_mut_ptr().add(j), _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)));
+    }
+    for j in full..src.len() {
+        dst[j] = f32::from_bits((src[j] as u32) << 16);
+    }
+}
+
+/// [`scores`] in f32 FMAs (`fma_tile`): `qa` the query tiles widened to f32 ([`widen_bf16`] of
+/// [`pack_queries`]' tiles), the same layouts and results up to the order of f32 additions.
+///
+/// # Safety
+/// AVX512F (no tile state needed); the rest as [`scores`].
+#[target_feature(enable = "avx512f")]
+pub unsafe fn scores_fma(kv: &PackedKv, kvh: usize, g: usize, qa: &[f32], nrt: usize, c: &mut [[f32; 256]]) {
+    let ksteps = kv.d / 32;
+    debug_assert!(qa.len() >= nrt * ksteps * TILE_U16 && c.len() >= nrt);
+    let kt = kv.key_group(kvh, g);
+    for (rt, ct) in c.iter_mut().enumerate().take(nrt) {
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for s in 0..ksteps {
+            fma_tile(&mut acc, qa.as_ptr().add((rt * ksteps + s) * TILE_U16), kt.add(s * TILE_U16));
+        }
+        for (m, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(ct.as_mut_ptr().add(16 * m), *v);
+        }
+    }
+}
+
+/// [`weighted`] in f32 FMAs (`fma_tile`): `pa` the probability tiles as f32 (16 rows x 32
+/// positions each, the values already rounded to bf16).
+///
+/// # Safety
+/// AVX512F (no tile state needed); the rest as [`weighted`].
+#[target_feature(enable = "avx512f")]
+pub unsafe fn weighted_fma(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[f32], nrt: usize, acc: &mut [f32]) {
+    let d = kv.d;
+    let vgroups = d / 16;
+    debug_assert!(pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
+    let vt = kv.value_block(kvh, b0);
+    for rt in 0..nrt {
+        for g in 0..vgroups {
+            let at = |m: usize| (16 * rt + m) * d + 16 * g;
+            let mut c = [_mm512_setzero_ps(); 16];
+            for (m, cm) in c.iter_mut().enumerate() {
+                *cm = _mm512_loadu_ps(acc.as_ptr().add(at(m)));
+            }
+            for b in 0..nb {
+                fma_tile(&mut c, pa.as_ptr().add((b * nrt + rt) * TILE_U16), vt.add((b * vgroups + g) * TILE_U16));
             }
             for (m, cm) in c.iter().enumerate() {
                 _mm512_storeu_ps(acc.as_mut_ptr().add(at(m)), *cm);
