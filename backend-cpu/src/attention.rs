@@ -165,7 +165,9 @@ impl CpuKv {
 /// AMX tiles instead ([`crate::kernels::attn_amx`]): the call's keys and values are packed once
 /// (blocks of up to 64 rows), or past 64 MiB of them (`AMX_PACK_BUDGET`) by each block (of up
 /// to 256 rows) a run of positions at a time; the scores and weighted values are sums of the
-/// same exact bf16 products in another order (the softmax and every rounding as above). CPUs
+/// same exact bf16 products in another order (the softmax and every rounding as above, except
+/// that a span held in one segment takes its `exp` 16 at a time, within 2 ulps: the
+/// probabilities can then differ from the one-row loops' by a bf16 unit). CPUs
 /// without AMX run the same tile products on the same layouts in other instructions
 /// (`Products`): `vdpbf16ps` where it is fast (AMD's Zen 4/5), f32 FMAs on the other AVX-512
 /// cores (Intel's, with or without AVX512_BF16).

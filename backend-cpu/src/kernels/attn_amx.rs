@@ -310,9 +310,42 @@ pub unsafe fn bf16_bits(src: &[f32], dst: &mut [u16]) {
     }
 }
 
-/// The softmax of one row's scores, probabilities rounded to bf16, in place: bit for bit the
-/// f32 loops' (the maximum and the rounding 16 at a time, which changes no bits; `exp` and the
-/// sum one by one in order, as there). A NaN score makes the whole row NaN, as there.
+/// `e^x` in every lane where `x <= 0` (a softmax's `score - max`), within 2 units in the last
+/// place of `f32::exp` (`exp_matches_f32_exp_within_two_ulps`, which measured at most 1 over
+/// `[-103.5, 0]`): Cody-Waite reduction by ln 2
+/// and Cephes' `expf` polynomial, scaled by `vscalefps`. Below -103.5 (where `f32::exp`'s
+/// value rounds to 0): 0; NaN stays NaN.
+///
+/// # Safety
+/// AVX-512F is present.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_nonpositive(x: __m512) -> __m512 {
+    let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-103.5));
+    // `max(floor, x)` keeps a NaN `x` (the second operand is returned when either is NaN).
+    let x = _mm512_max_ps(_mm512_set1_ps(-103.5), x);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
+    _mm512_maskz_mov_ps(!tiny, _mm512_scalef_ps(y, n))
+}
+
+/// The softmax of one row's scores, probabilities rounded to bf16, in place: the maximum, the
+/// exponentials (`exp_nonpositive`, within 2 ulps of the f32 loops' `f32::exp`), their sum and
+/// the rounding 16 at a time, so a probability can differ from the f32 loops' by a bf16 unit
+/// where the two land on either side of a rounding boundary. Scalar `exp` had cost a fifth of a
+/// tile attention call deep in a context: 8192 cached positions and 512 queries of the 1.7B
+/// shape's full layer, two threads of an Emerald Rapids guest, 319-339 -> 276-280 ms with
+/// `vdpbf16ps` products, 257-275 -> 194-220 ms with FMA products (docs/BENCHMARKS.md, session
+/// 49). A NaN score makes the whole row NaN, as there.
 ///
 /// # Safety
 /// AVX-512F is present.
@@ -327,13 +360,15 @@ pub unsafe fn softmax_bf16(s: &mut [f32]) {
         nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x) != 0;
         vmax = _mm512_max_ps(vmax, x);
     }
-    let max = if nan { f32::NAN } else { _mm512_reduce_max_ps(vmax) };
-    let mut sum = 0.0f32;
-    for v in s.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+    let max = _mm512_set1_ps(if nan { f32::NAN } else { _mm512_reduce_max_ps(vmax) });
+    let mut vsum = _mm512_setzero_ps();
+    for j in (0..n).step_by(16) {
+        let x = _mm512_maskz_loadu_ps(mask(j), s.as_ptr().add(j));
+        let e = _mm512_maskz_mov_ps(mask(j), exp_nonpositive(_mm512_sub_ps(x, max)));
+        vsum = _mm512_add_ps(vsum, e);
+        _mm512_mask_storeu_ps(s.as_mut_ptr().add(j), mask(j), e);
     }
-    let inv = _mm512_set1_ps(1.0 / sum);
+    let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(vsum));
     let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
     for j in (0..n).step_by(16) {
         let x = _mm512_maskz_loadu_ps(mask(j), s.as_ptr().add(j));
@@ -718,6 +753,46 @@ mod tests {
 
     /// The vector helpers give the scalar roundings' bits: lengths around the 16-lane steps,
     /// ties, NaN, infinities, denormals.
+    /// `exp_nonpositive` against `f32::exp` on a sweep of `[-110, 0]` (every 2^-12 near 0,
+    /// coarser below) and the special values: within 2 ulps where the value is normal, 0 where
+    /// `f32::exp` rounds to 0, NaN for NaN.
+    #[test]
+    fn exp_matches_f32_exp_within_two_ulps() {
+        if !avx512() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..=4096).map(|i| -(i as f32) / 4096.0).collect();
+        xs.extend((0..=110_000).map(|i| -(i as f32) / 1000.0));
+        xs.extend([-0.0, -f32::MIN_POSITIVE, -1e-30, -87.33, -87.34, -103.97, -104.0, -200.0, f32::NEG_INFINITY]);
+        let mut worst = 0u32;
+        for chunk in xs.chunks(16) {
+            let mut x = [0.0f32; 16];
+            x[..chunk.len()].copy_from_slice(chunk);
+            let mut y = [0.0f32; 16];
+            // SAFETY: AVX-512F checked above.
+            unsafe { _mm512_storeu_ps(y.as_mut_ptr(), exp_nonpositive(_mm512_loadu_ps(x.as_ptr()))) };
+            for (&xi, &yi) in x.iter().zip(&y).take(chunk.len()) {
+                let want = xi.exp();
+                if want < f32::MIN_POSITIVE {
+                    // Subnormal or zero: within one subnormal step of it, or 0 below -103.5.
+                    assert!(
+                        (yi - want).abs() <= f32::from_bits(1) * 2.0 || (xi < -103.5 && yi == 0.0),
+                        "exp({xi}) = {yi}, want {want}"
+                    );
+                    continue;
+                }
+                let ulps = (yi.to_bits() as i64 - want.to_bits() as i64).unsigned_abs() as u32;
+                worst = worst.max(ulps);
+                assert!(ulps <= 2, "exp({xi}) = {yi}, want {want}: {ulps} ulps");
+            }
+        }
+        eprintln!("exp_nonpositive: at most {worst} ulps from f32::exp");
+        let mut y = [0.0f32; 16];
+        // SAFETY: AVX-512F checked above.
+        unsafe { _mm512_storeu_ps(y.as_mut_ptr(), exp_nonpositive(_mm512_set1_ps(f32::NAN))) };
+        assert!(y.iter().all(|v| v.is_nan()), "exp(NaN) must be NaN");
+    }
+
     #[test]
     fn score_and_probability_helpers_match_scalar() {
         if !avx512() {
@@ -767,8 +842,13 @@ mod tests {
             let mut got = scores.clone();
             // SAFETY: as above.
             unsafe { softmax_bf16(&mut got) };
-            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "softmax_bf16 n {n}: {got:?} vs {want:?}");
+            // Within a bf16 unit of the scalar form (the exponentials within 2 f32 ulps, summed
+            // in another order).
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() <= b.abs() / 128.0, "softmax_bf16 n {n}: {got:?} vs {want:?}");
+            }
+            let total: f32 = got.iter().sum();
+            assert!((total - 1.0).abs() <= n as f32 / 256.0, "softmax_bf16 n {n}: sums to {total}");
             let mut nan = scores.clone();
             nan[n / 2] = f32::NAN;
             // SAFETY: as above.
