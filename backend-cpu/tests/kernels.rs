@@ -318,7 +318,8 @@ fn bench_bf16_decode_stream() {
     let passes: usize = std::env::var("QBENCH_PASSES").map_or(7, |v| v.parse().expect("QBENCH_PASSES"));
     let (m, k) = (2048usize, 2048usize);
     let bytes = m * k * 2;
-    let copies = (mb << 20).div_ceil(bytes);
+    // At least one matrix (QBENCH_MB=0 would time nothing).
+    let copies = (mb << 20).div_ceil(bytes).max(1);
     let mut seed = 3u64;
     let mats: Vec<spark_backend_cpu::huge_pages::HugeBytes> = (0..copies)
         .map(|_| {

@@ -1386,7 +1386,8 @@ fn bench_decode_stream() {
     let hold = || if f16_sides { QMat::with_sides(&q, true) } else { QMat::for_level(&q, qs) };
     let one = hold();
     let bytes = one.decode_bytes();
-    let copies = (mb << 20).div_ceil(bytes);
+    // At least one matrix (QBENCH_MB=0 would time nothing).
+    let copies = (mb << 20).div_ceil(bytes).max(1);
     let mats: Vec<QMat> = (0..copies).map(|_| hold()).collect();
     let x = random_x(1, k, &mut seed);
     let mut out = vec![0.0f32; m];
