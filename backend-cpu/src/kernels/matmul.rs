@@ -11,6 +11,8 @@
 //!   `vdpbf16ps` dot products on the weights in place ([`super::avx512bf16`], see
 //!   [`bf16_dot_takes`]; one token included); from 16 tokens, a `vdpbf16ps` prefill on transposed activations
 //!   ([`bf16_prefill_takes`]).
+//! - At the `Avx512` level on Intel cores, bf16 weights times 2-15 tokens run an f32 FMA kernel
+//!   on weights widened in registers ([`super::batch_fma512`], [`fma512_batch_takes`]).
 //! - At the `Avx512` level on Intel cores, whose `vdpbf16ps` issues at a quarter of the FMA
 //!   rate, prefill (n >= 16) of every weight dtype and rounding runs an f32 FMA kernel on
 //!   transposed activations and L2-sized bands of weights instead of both of the above
@@ -73,6 +75,14 @@ pub fn bf16_prefill_takes(simd: Simd, n: usize) -> bool {
 /// (docs/BENCHMARKS.md, session 47).
 pub fn fma512_prefill_takes(simd: Simd, n: usize) -> bool {
     simd == Simd::Avx512 && n >= SMALL_BATCH && vdpbf16ps_is_slow()
+}
+/// Whether a bf16 matmul of `n` tokens runs the AVX-512 f32 FMA kernel for a few tokens
+/// ([`super::batch_fma512`]): 2-15 tokens at the `Avx512` level on Intel cores
+/// ([`vdpbf16ps_is_slow`]), in place of the `vdpbf16ps` tiles ([`bf16_dot_takes`]): whole-model
+/// bf16 decode on an Emerald Rapids guest, two threads, `--batch 4` +11 %, `--batch 8` level
+/// (docs/BENCHMARKS.md, session 49).
+pub fn fma512_batch_takes(simd: Simd, n: usize) -> bool {
+    simd == Simd::Avx512 && (2..SMALL_BATCH).contains(&n) && vdpbf16ps_is_slow()
 }
 /// Whether this CPU's `vdpbf16ps` is slower, per multiply-add, than f32 FMAs: Intel cores (the
 /// `GenuineIntel` vendor string). Measured on an Emerald Rapids core: `vdpbf16ps zmm` 1.31-1.35
@@ -211,6 +221,11 @@ pub fn matmul(simd: Simd, x: &[f32], n: usize, k: usize, w: Mat<'_>, m: usize, o
     }
     #[cfg(target_arch = "x86_64")]
     if let Mat::BF16(d) = w {
+        if fma512_batch_takes(simd, n) {
+            // SAFETY: the Avx512 level is only detected with AVX-512F present.
+            unsafe { super::batch_fma512::matmul(x, n, k, d, m, out, round) };
+            return;
+        }
         if bf16_dot_takes(simd, n) && round == DType::BF16 && super::avx512bf16::available() {
             // SAFETY: available() checked AVX512F/BW/BF16.
             unsafe { super::avx512bf16::matmul(x, n, k, d, m, out, round) };

@@ -32,6 +32,7 @@ pub mod attn_avx512;
 pub mod avx2;
 pub mod avx512;
 pub mod avx512bf16;
+pub mod batch_fma512;
 pub mod gelu;
 pub mod matmul;
 pub mod portable;
