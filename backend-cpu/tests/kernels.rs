@@ -141,6 +141,19 @@ fn bf16_matmul_with_bf16_activations_matches_reference_at_every_level() {
     }
 }
 
+/// Every `out[i]` against the f64 reference `want[i]`: within 1e-4 for f32 output, within one
+/// bf16 ulp of the reference rounded to bf16 (a floor of 1e-3 for sums near zero) for bf16.
+#[cfg(target_arch = "x86_64")]
+fn check_rounded(out: &[f32], want: &[f64], round: DType, what: impl Fn() -> String) {
+    for (i, (&got, &exact)) in out.iter().zip(want).enumerate() {
+        let (reference, tol) = match round {
+            DType::BF16 => (half::bf16::from_f32(exact as f32).to_f64(), (exact.abs() / 128.0).max(1e-3)),
+            _ => (exact, 1e-4),
+        };
+        assert!((got as f64 - reference).abs() <= tol, "{}: out[{i}] = {got}, reference {exact}", what());
+    }
+}
+
 /// The AVX-512 f32 FMA prefill (Intel cores' prefill) and the `vdpbf16ps` prefill (AMD's, bf16
 /// weights, where AVX512_BF16 is present) called directly, so that both are checked on every
 /// AVX-512 CPU whichever of them `matmul` picks there: f32, bf16 and f16 weights, f32 output
@@ -181,16 +194,7 @@ fn avx512_prefills_match_reference_for_every_weight_dtype() {
                         }
                     }
                 });
-                for (i, (&got, &exact)) in out.iter().zip(&want).enumerate() {
-                    let (reference, tol) = match round {
-                        DType::BF16 => (bfv(exact as f32) as f64, (exact.abs() / 128.0).max(1e-3)),
-                        _ => (exact, 1e-4),
-                    };
-                    assert!(
-                        (got as f64 - reference).abs() <= tol,
-                        "{path} {name} {round:?} n={n} k={k} m={m}: out[{i}] = {got}, reference {exact}"
-                    );
-                }
+                check_rounded(&out, &want, round, || format!("{path} {name} {round:?} n={n} k={k} m={m}"));
             }
         }
     }
@@ -243,16 +247,7 @@ fn avx512_small_batch_kernels_match_reference() {
                     _ => avx512bf16::matmul(&x, n, k, &w, m, &mut out, round),
                 }
             });
-            for (i, (&got, &exact)) in out.iter().zip(&want).enumerate() {
-                let (reference, tol) = match round {
-                    DType::BF16 => (bfv(exact as f32) as f64, (exact.abs() / 128.0).max(1e-3)),
-                    _ => (exact, 1e-4),
-                };
-                assert!(
-                    (got as f64 - reference).abs() <= tol,
-                    "{path} {round:?} n={n} k={k} m={m}: out[{i}] = {got}, reference {exact}"
-                );
-            }
+            check_rounded(&out, &want, round, || format!("{path} {round:?} n={n} k={k} m={m}"));
         }
     }
 }

@@ -509,54 +509,6 @@ unsafe fn dp_tile(c: &mut [__m512; 16], a: *const u16, b: *const u16) {
     }
 }
 
-/// [`scores`] with AVX512_BF16 (`vdpbf16ps`, `dp_tile`) on CPUs without AMX: the same
-/// layouts and results up to the order of f32 additions.
-///
-/// # Safety
-/// AVX512F/BW/BF16 (no tile state needed); the rest as [`scores`].
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub unsafe fn scores_dp(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: usize, c: &mut [[f32; 256]]) {
-    let ksteps = kv.d / 32;
-    debug_assert!(qa.len() >= nrt * ksteps * TILE_U16 && c.len() >= nrt);
-    let kt = kv.key_group(kvh, g);
-    for (rt, ct) in c.iter_mut().enumerate().take(nrt) {
-        let mut acc = [_mm512_setzero_ps(); 16];
-        for s in 0..ksteps {
-            dp_tile(&mut acc, qa.as_ptr().add((rt * ksteps + s) * TILE_U16), kt.add(s * TILE_U16));
-        }
-        for (m, v) in acc.iter().enumerate() {
-            _mm512_storeu_ps(ct.as_mut_ptr().add(16 * m), *v);
-        }
-    }
-}
-
-/// [`weighted`] with AVX512_BF16 (`vdpbf16ps`, `dp_tile`) on CPUs without AMX.
-///
-/// # Safety
-/// AVX512F/BW/BF16 (no tile state needed); the rest as [`weighted`].
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub unsafe fn weighted_dp(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[u16], nrt: usize, acc: &mut [f32]) {
-    let d = kv.d;
-    let vgroups = d / 16;
-    debug_assert!(pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
-    let vt = kv.value_block(kvh, b0);
-    for rt in 0..nrt {
-        for g in 0..vgroups {
-            let at = |m: usize| (16 * rt + m) * d + 16 * g;
-            let mut c = [_mm512_setzero_ps(); 16];
-            for (m, cm) in c.iter_mut().enumerate() {
-                *cm = _mm512_loadu_ps(acc.as_ptr().add(at(m)));
-            }
-            for b in 0..nb {
-                dp_tile(&mut c, pa.as_ptr().add((b * nrt + rt) * TILE_U16), vt.add((b * vgroups + g) * TILE_U16));
-            }
-            for (m, cm) in c.iter().enumerate() {
-                _mm512_storeu_ps(acc.as_mut_ptr().add(at(m)), *cm);
-            }
-        }
-    }
-}
-
 /// `c += A B` for one tile pair in f32 FMAs, on CPUs whose `vdpbf16ps` is slow (Intel cores,
 /// [`super::matmul::vdpbf16ps_is_slow`]) or missing: `a` an A tile widened to f32 (16 rows x
 /// 32 values, rows 32 apart: [`widen_bf16`]), `b` a B tile (16 rows of 16 bf16 pairs), `c` the
@@ -602,20 +554,59 @@ pub unsafe fn widen_bf16(src: &[u16], dst: &mut Vec<f32>) {
     }
 }
 
-/// [`scores`] in f32 FMAs (`fma_tile`): `qa` the query tiles widened to f32 ([`widen_bf16`] of
-/// [`pack_queries`]' tiles), the same layouts and results up to the order of f32 additions.
+/// One tile product without AMX: `c += A B` for an A tile of `Self::A` and a B tile of bf16
+/// pairs (`dp_tile`, `fma_tile`).
+trait TileProduct {
+    /// The A tiles' element: bf16 bits, or f32.
+    type A;
+    /// # Safety
+    /// As the product's own function; inlined into a caller compiled with its features.
+    unsafe fn tile(c: &mut [__m512; 16], a: *const Self::A, b: *const u16);
+}
+
+/// `vdpbf16ps` products (`dp_tile`).
+struct Dp;
+/// f32 FMA products (`fma_tile`).
+struct Fma;
+
+impl TileProduct for Dp {
+    type A = u16;
+    #[inline(always)]
+    unsafe fn tile(c: &mut [__m512; 16], a: *const u16, b: *const u16) {
+        dp_tile(c, a, b)
+    }
+}
+
+impl TileProduct for Fma {
+    type A = f32;
+    #[inline(always)]
+    unsafe fn tile(c: &mut [__m512; 16], a: *const f32, b: *const u16) {
+        fma_tile(c, a, b)
+    }
+}
+
+/// [`scores`] with the products `P` on CPUs without AMX: the same layouts and results up to
+/// the order of f32 additions.
 ///
 /// # Safety
-/// AVX512F (no tile state needed); the rest as [`scores`].
-#[target_feature(enable = "avx512f")]
-pub unsafe fn scores_fma(kv: &PackedKv, kvh: usize, g: usize, qa: &[f32], nrt: usize, c: &mut [[f32; 256]]) {
+/// The products' features (inlined into [`scores_dp`] or [`scores_fma`]); the rest as
+/// [`scores`].
+#[inline(always)]
+unsafe fn scores_with<P: TileProduct>(
+    kv: &PackedKv,
+    kvh: usize,
+    g: usize,
+    qa: &[P::A],
+    nrt: usize,
+    c: &mut [[f32; 256]],
+) {
     let ksteps = kv.d / 32;
     debug_assert!(qa.len() >= nrt * ksteps * TILE_U16 && c.len() >= nrt);
     let kt = kv.key_group(kvh, g);
     for (rt, ct) in c.iter_mut().enumerate().take(nrt) {
         let mut acc = [_mm512_setzero_ps(); 16];
         for s in 0..ksteps {
-            fma_tile(&mut acc, qa.as_ptr().add((rt * ksteps + s) * TILE_U16), kt.add(s * TILE_U16));
+            P::tile(&mut acc, qa.as_ptr().add((rt * ksteps + s) * TILE_U16), kt.add(s * TILE_U16));
         }
         for (m, v) in acc.iter().enumerate() {
             _mm512_storeu_ps(ct.as_mut_ptr().add(16 * m), *v);
@@ -623,13 +614,21 @@ pub unsafe fn scores_fma(kv: &PackedKv, kvh: usize, g: usize, qa: &[f32], nrt: u
     }
 }
 
-/// [`weighted`] in f32 FMAs (`fma_tile`): `pa` the probability tiles as f32 (16 rows x 32
-/// positions each, the values already rounded to bf16).
+/// [`weighted`] with the products `P` on CPUs without AMX.
 ///
 /// # Safety
-/// AVX512F (no tile state needed); the rest as [`weighted`].
-#[target_feature(enable = "avx512f")]
-pub unsafe fn weighted_fma(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[f32], nrt: usize, acc: &mut [f32]) {
+/// The products' features (inlined into [`weighted_dp`] or [`weighted_fma`]); the rest as
+/// [`weighted`].
+#[inline(always)]
+unsafe fn weighted_with<P: TileProduct>(
+    kv: &PackedKv,
+    kvh: usize,
+    b0: usize,
+    nb: usize,
+    pa: &[P::A],
+    nrt: usize,
+    acc: &mut [f32],
+) {
     let d = kv.d;
     let vgroups = d / 16;
     debug_assert!(pa.len() >= nb * nrt * TILE_U16 && acc.len() >= 16 * nrt * d);
@@ -642,13 +641,51 @@ pub unsafe fn weighted_fma(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: 
                 *cm = _mm512_loadu_ps(acc.as_ptr().add(at(m)));
             }
             for b in 0..nb {
-                fma_tile(&mut c, pa.as_ptr().add((b * nrt + rt) * TILE_U16), vt.add((b * vgroups + g) * TILE_U16));
+                P::tile(&mut c, pa.as_ptr().add((b * nrt + rt) * TILE_U16), vt.add((b * vgroups + g) * TILE_U16));
             }
             for (m, cm) in c.iter().enumerate() {
                 _mm512_storeu_ps(acc.as_mut_ptr().add(at(m)), *cm);
             }
         }
     }
+}
+
+/// [`scores`] with AVX512_BF16 (`vdpbf16ps`, `dp_tile`) on CPUs without AMX.
+///
+/// # Safety
+/// AVX512F/BW/BF16 (no tile state needed); the rest as [`scores`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub unsafe fn scores_dp(kv: &PackedKv, kvh: usize, g: usize, qa: &[u16], nrt: usize, c: &mut [[f32; 256]]) {
+    scores_with::<Dp>(kv, kvh, g, qa, nrt, c)
+}
+
+/// [`weighted`] with AVX512_BF16 (`vdpbf16ps`, `dp_tile`) on CPUs without AMX.
+///
+/// # Safety
+/// AVX512F/BW/BF16 (no tile state needed); the rest as [`weighted`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub unsafe fn weighted_dp(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[u16], nrt: usize, acc: &mut [f32]) {
+    weighted_with::<Dp>(kv, kvh, b0, nb, pa, nrt, acc)
+}
+
+/// [`scores`] in f32 FMAs (`fma_tile`): `qa` the query tiles widened to f32 ([`widen_bf16`] of
+/// [`pack_queries`]' tiles).
+///
+/// # Safety
+/// AVX512F (no tile state needed); the rest as [`scores`].
+#[target_feature(enable = "avx512f")]
+pub unsafe fn scores_fma(kv: &PackedKv, kvh: usize, g: usize, qa: &[f32], nrt: usize, c: &mut [[f32; 256]]) {
+    scores_with::<Fma>(kv, kvh, g, qa, nrt, c)
+}
+
+/// [`weighted`] in f32 FMAs (`fma_tile`): `pa` the probability tiles as f32 (16 rows x 32
+/// positions each, the values already rounded to bf16).
+///
+/// # Safety
+/// AVX512F (no tile state needed); the rest as [`weighted`].
+#[target_feature(enable = "avx512f")]
+pub unsafe fn weighted_fma(kv: &PackedKv, kvh: usize, b0: usize, nb: usize, pa: &[f32], nrt: usize, acc: &mut [f32]) {
+    weighted_with::<Fma>(kv, kvh, b0, nb, pa, nrt, acc)
 }
 
 /// Load the eight-tile configuration on this thread ([`super::amx`]'s).
