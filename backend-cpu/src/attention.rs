@@ -221,8 +221,9 @@ impl Products {
     /// [`crate::kernels::matmul::vdpbf16ps_is_slow`], and AVX-512 cores without AVX512_BF16)
     /// FMAs, given AVX-512BW for the packing. On one thread pair of an Emerald Rapids guest
     /// (2048 and 8192 cached positions, 512 queries, the 1.7B shape's full layer) the FMA tiles
-    /// took 0.75-0.81 of the `vdpbf16ps` tiles' time and the `vdpbf16ps` tiles 0.55-0.57 of the f32
-    /// loops' (docs/BENCHMARKS.md, session 49).
+    /// took 0.76-0.81 of the `vdpbf16ps` tiles' time with a scalar `exp` in the softmax and
+    /// 0.70-0.78 with it vectorized, and the `vdpbf16ps` tiles 0.54-0.57 of the f32 loops'
+    /// (docs/BENCHMARKS.md, session 49).
     pub(crate) fn for_cpu(simd: Simd) -> Option<Products> {
         #[cfg(target_arch = "x86_64")]
         {
